@@ -1,0 +1,130 @@
+"""The gRPC servicer: translates protos to engine calls and back; decides nothing itself."""
+
+import uuid
+
+import grpc
+
+from common.model_info import ModelInfo
+from controlplane.engine import Chunk, Engine
+from controlplane.request import FinishReason, Request
+from controlplane.validation import Limits, ValidationError, sampling_params, validate_prompt, \
+    validate_request_id
+from protos import generation_pb2, generation_pb2_grpc
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.EOS: generation_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORTED,
+}
+# Reasons that end the stream with an error status instead of a last chunk.
+_ERROR_STATUS = {
+    FinishReason.ERROR: (grpc.StatusCode.INTERNAL, "the request failed in the engine"),
+    FinishReason.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, "the data plane was lost and none "
+                               "came back in time"),
+}
+
+
+def chunk_to_proto(request_id: str, chunk: Chunk) -> generation_pb2.GenerateResponse:
+    response = generation_pb2.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids,
+                                               text=chunk.text)
+    for lp in chunk.logprobs:
+        response.logprobs.append(generation_pb2.TokenLogprobs(
+            logprob=lp.logprob,
+            top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    if chunk.finish_reason is not None:
+        response.finish_reason = _FINISH_REASONS[chunk.finish_reason]
+        response.usage.CopyFrom(generation_pb2.Usage(
+            prompt_tokens=chunk.num_prompt_tokens, completion_tokens=chunk.num_output_tokens,
+            cached_tokens=chunk.num_cached_tokens))
+    return response
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, model: ModelInfo, max_model_len: int,
+                 max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.model = model
+        self.max_model_len = max_model_len
+        self.max_waiting_requests = max_waiting_requests
+
+    def limits(self) -> Limits:
+        info = self.engine.info
+        capacity = info.num_kv_blocks * info.block_size if info else self.max_model_len
+        return Limits(max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
+                      max_total_tokens=min(capacity, self.max_model_len))
+
+    def _prompt(self, request: generation_pb2.GenerateRequest, limits: Limits) -> list[int]:
+        which = request.WhichOneof("input")
+        if which is None:
+            raise ValidationError("input", "set text or token_ids")
+        if which == "text":
+            if not request.text:
+                raise ValidationError("input.text", "the prompt is empty (0 characters)")
+            ids = self.engine.tokenizer.encode(request.text)
+            validate_prompt(ids, "input.text", limits)
+        else:
+            ids = list(request.token_ids.ids)
+            validate_prompt(ids, "input.token_ids.ids", limits)
+        return ids
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if not self.engine.dataplane.is_attached:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no data plane is attached")
+        limits = self.limits()
+        try:
+            validate_request_id(request.request_id, limits)
+            prompt = self._prompt(request, limits)
+            params = sampling_params(request.sampling, len(prompt), limits)
+        except ValidationError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.engine.streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id: {request_id!r} is already in use by a live request")
+        stream = self.engine.add_request(Request(request_id, prompt, params,
+                                                 self.model.eos_token_ids))
+        done = False
+        try:
+            async for chunk in stream:
+                if chunk.finish_reason in _ERROR_STATUS:
+                    done = True
+                    await context.abort(*_ERROR_STATUS[chunk.finish_reason])
+                yield chunk_to_proto(request_id, chunk)
+            done = True
+        finally:
+            if not done:  # the client cancelled, dropped the stream or its deadline passed
+                self.engine.abort(request_id)
+
+    async def Abort(self, request: generation_pb2.AbortRequest, context) -> generation_pb2.AbortResponse:
+        num = sum(self.engine.abort(request_id) for request_id in set(request.request_ids))
+        return generation_pb2.AbortResponse(num_aborted=num)
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest, context
+                       ) -> generation_pb2.TokenizeResponse:
+        return generation_pb2.TokenizeResponse(token_ids=self.engine.tokenizer.encode(request.text))
+
+    async def Detokenize(self, request: generation_pb2.DetokenizeRequest, context
+                         ) -> generation_pb2.DetokenizeResponse:
+        limits = self.limits()
+        for i, token in enumerate(request.token_ids):
+            if token >= limits.vocab_size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"token_ids[{i}]: token id {token} is outside the vocabulary "
+                                    f"[0, {limits.vocab_size})")
+        return generation_pb2.DetokenizeResponse(
+            text=self.engine.tokenizer.decode(list(request.token_ids)))
+
+    async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:
+        info = self.engine.info
+        return generation_pb2.ModelInfo(
+            model_name=self.model.name, max_model_len=self.max_model_len,
+            vocab_size=self.model.vocab_size, block_size=info.block_size if info else 0,
+            tp_size=info.tp_size if info else 0, dtype=info.dtype if info else "")
+
+    async def GetLoad(self, request, context) -> generation_pb2.Load:
+        running, waiting, used, total = self.engine.load()
+        return generation_pb2.Load(num_running=running, num_waiting=waiting,
+                                   kv_blocks_used=used, kv_blocks_total=total,
+                                   num_preemptions=self.engine.num_preemptions,
+                                   num_dataplane_losses=self.engine.num_dataplane_losses)

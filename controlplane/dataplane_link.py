@@ -1,0 +1,219 @@
+"""The control plane's side of the link: a ZeroMQ ROUTER that data-plane rank 0 connects to.
+
+One data plane is attached at a time. Its Hello is checked (protocol, model), answered with
+Configure in a new epoch, and it is attached once it reports Ready. It is lost when it goes
+silent (no message within `heartbeat_timeout_s`; it heartbeats from an I/O thread, also during a
+step), when a step reply misses `step_timeout_s`, or when a new data plane's Hello arrives after
+it went silent. Loss fails the step in flight with DataPlaneLost.
+"""
+
+import asyncio
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+from google.protobuf.message import DecodeError
+
+from common.model_info import ModelInfo
+from common.transport import PROTOCOL_VERSION, LinkConfig, configure_socket
+from controlplane.dataplane_client import DataPlaneInfo, DataPlaneLost
+from protos import link_pb2
+
+log = logging.getLogger("splitserve.link")
+
+
+class _Peer:
+    def __init__(self, identity: bytes, hello: link_pb2.Hello, epoch: int) -> None:
+        self.identity = identity
+        self.hello = hello
+        self.epoch = epoch
+        self.last_heard = time.monotonic()
+        self.info: DataPlaneInfo | None = None  # set once Ready arrives
+
+
+class DataPlaneLink:
+    def __init__(self, address: str, model: ModelInfo, limits: link_pb2.Configure,
+                 config: LinkConfig = LinkConfig(), on_change=None) -> None:
+        self.address = address
+        self.model = model
+        self.limits = limits
+        self.config = config
+        self._on_change = on_change or (lambda attached: None)
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._peer: _Peer | None = None
+        # Epochs start at the wall clock in microseconds, so a restarted control plane's epochs
+        # are newer than any its predecessor used and a data plane never mistakes one for a replay.
+        self._epoch = int(time.time() * 1e6)
+        self._seq = 0
+        self._last_seq_in: dict[bytes, int] = {}
+        self._attached = asyncio.Event()
+        self._pending: dict[int, asyncio.Future] = {}
+        self.num_dropped = 0
+
+    @property
+    def is_attached(self) -> bool:
+        return self._peer is not None and self._peer.info is not None
+
+    async def start(self) -> None:
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        configure_socket(self._sock, self.config)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.bind(self.address)
+        self._tasks = [asyncio.create_task(self._reader(), name="link-reader"),
+                       asyncio.create_task(self._watchdog(), name="link-watchdog")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._lose("control plane closing")
+        if self._sock is not None:
+            self._sock.close()
+
+    async def attach(self) -> DataPlaneInfo:
+        while not self.is_attached:
+            await self._attached.wait()
+            if not self.is_attached:
+                self._attached.clear()
+        return self._peer.info
+
+    async def execute(self, step: link_pb2.Step, epoch: int) -> link_pb2.StepResult:
+        peer = self._peer
+        if peer is None or peer.info is None or peer.epoch != epoch:
+            raise DataPlaneLost("the data plane of this epoch is gone")
+        future = asyncio.get_running_loop().create_future()
+        self._pending[step.step_id] = future
+        try:
+            await self._send(peer, link_pb2.LinkMessage(step=step))
+            return await asyncio.wait_for(future, self.config.step_timeout_s)
+        except TimeoutError:
+            self._lose(f"step {step.step_id} got no reply within {self.config.step_timeout_s}s")
+            raise DataPlaneLost("step timed out") from None
+        finally:
+            self._pending.pop(step.step_id, None)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    async def _send(self, peer: _Peer, message: link_pb2.LinkMessage) -> None:
+        self._seq += 1
+        message.seq, message.epoch = self._seq, peer.epoch
+        try:
+            await self._sock.send_multipart([peer.identity, message.SerializeToString()])
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer's connection is gone
+            self._lose(f"send failed: {e}")
+            raise DataPlaneLost(str(e)) from None
+
+    def _lose(self, reason: str) -> None:
+        if self._peer is None:
+            return
+        log.warning("data plane %s lost: %s", self._peer.hello.instance_id, reason)
+        was_attached = self.is_attached
+        self._peer = None
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(DataPlaneLost(reason))
+        self._attached.set()  # wake attach() waiters so they re-check
+        if was_attached:
+            self._on_change(False)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            peer = self._peer
+            if peer is None:
+                continue
+            if time.monotonic() - peer.last_heard > self.config.heartbeat_timeout_s:
+                self._lose(f"silent for more than {self.config.heartbeat_timeout_s}s")
+                continue
+            try:
+                await self._send(peer, link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()))
+            except DataPlaneLost:
+                pass
+
+    async def _reader(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            message = self._parse(frames)
+            if message is not None:
+                await self._dispatch(frames[0], message)
+
+    def _parse(self, frames: list[bytes]) -> link_pb2.LinkMessage | None:
+        """Strict decoding: anything malformed, unknown or replayed is dropped and counted."""
+        message = link_pb2.LinkMessage()
+        try:
+            assert len(frames) == 2
+            message.ParseFromString(frames[1])
+        except (DecodeError, AssertionError):
+            self.num_dropped += 1
+            return None
+        identity = frames[0]
+        if message.WhichOneof("body") is None or message.seq <= self._last_seq_in.get(identity, 0):
+            self.num_dropped += 1
+            return None
+        self._last_seq_in[identity] = message.seq
+        return message
+
+    async def _dispatch(self, identity: bytes, message: link_pb2.LinkMessage) -> None:
+        kind = message.WhichOneof("body")
+        if kind == "hello":
+            await self._on_hello(identity, message.hello)
+            return
+        peer = self._peer
+        if peer is None or identity != peer.identity or message.epoch != peer.epoch:
+            self.num_dropped += 1  # a late message of a previous data plane or epoch
+            return
+        peer.last_heard = time.monotonic()
+        if kind == "ready":
+            self._on_ready(peer, message.ready)
+        elif kind == "step_result":
+            future = self._pending.get(message.step_result.step_id)
+            if future is not None and not future.done():
+                future.set_result(message.step_result)
+
+    async def _on_hello(self, identity: bytes, hello: link_pb2.Hello) -> None:
+        peer = self._peer
+        if peer is not None and peer.identity == identity and peer.info is None:
+            return  # a repeated Hello while its Configure is on the way
+        problem = self._incompatibility(hello)
+        if problem is None and peer is not None and peer.identity != identity and \
+                time.monotonic() - peer.last_heard < self.config.heartbeat_timeout_s:
+            problem = f"data plane {peer.hello.instance_id} is attached and alive"
+        if problem is not None:
+            log.warning("refusing data plane %s: %s", hello.instance_id, problem)
+            reject = _Peer(identity, hello, 0)
+            await self._send_quietly(reject, link_pb2.LinkMessage(reject=link_pb2.Reject(reason=problem)))
+            return
+        self._lose("a new data plane said hello")
+        self._epoch += 1
+        self._peer = _Peer(identity, hello, self._epoch)
+        log.info("data plane %s (%s, tp=%d, %s) connected; configuring epoch %d",
+                 hello.instance_id, hello.device, hello.tp_size, hello.dtype, self._epoch)
+        await self._send_quietly(self._peer, link_pb2.LinkMessage(configure=self.limits))
+
+    async def _send_quietly(self, peer: _Peer, message: link_pb2.LinkMessage) -> None:
+        try:
+            await self._send(peer, message)
+        except DataPlaneLost:
+            pass
+
+    def _incompatibility(self, hello: link_pb2.Hello) -> str | None:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            return f"protocol version {hello.protocol_version}, expected {PROTOCOL_VERSION}"
+        if hello.model_fingerprint != self.model.fingerprint:
+            return (f"it serves model {hello.model_name!r} (config sha256 "
+                    f"{hello.model_fingerprint[:12]}), the control plane {self.model.name!r} "
+                    f"({self.model.fingerprint[:12]})")
+        return None
+
+    def _on_ready(self, peer: _Peer, ready: link_pb2.Ready) -> None:
+        h = peer.hello
+        peer.info = DataPlaneInfo(epoch=peer.epoch, instance_id=h.instance_id,
+                                  num_kv_blocks=ready.num_kv_blocks, block_size=ready.block_size,
+                                  tp_size=h.tp_size, dtype=h.dtype, device=h.device,
+                                  attention_backend=h.attention_backend)
+        log.info("data plane %s ready: %d KV blocks of %d tokens", h.instance_id,
+                 ready.num_kv_blocks, ready.block_size)
+        self._attached.set()
+        self._on_change(True)

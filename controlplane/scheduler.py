@@ -1,0 +1,182 @@
+"""Continuous batching with chunked prefill and preemption by recompute, FCFS.
+
+Each step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
+Running requests are served first, in arrival order: a decode takes one token, an unfinished
+prefill takes the next chunk of its prompt, so prefill chunks share steps with decodes. When a
+running request needs a block and none is free, the newest running request is preempted (its
+blocks freed, to be recomputed later) until the older one fits. Waiting requests are admitted
+after that, in arrival order, starting from their longest cached prefix, as long as budget,
+slots and blocks allow and no request was preempted in this step.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from controlplane.kv_manager import NO_HIT, KVCacheManager
+from controlplane.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int
+    new_block_ids: list[int]
+    is_new: bool  # first step of the request in this epoch: the data plane gets all its tokens
+    samples: bool  # the scheduled tokens reach the end of the known tokens: a token comes back
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    freed_slots: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.freed_slots
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._freed_slots: list[int] = []  # released since the last step was built
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        assert request.status is RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if out.num_preempted == 0:
+            self._schedule_waiting(out, budget)
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+            s.samples = s.request.num_computed_tokens == s.request.num_tokens
+        out.freed_slots, self._freed_slots = self._freed_slots, []
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_tokens <= 0:
+                i += 1
+                continue
+            block_ids = self.kv.allocate(request, num_tokens)
+            while block_ids is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is request:
+                    return budget
+                block_ids = self.kv.allocate(request, num_tokens)
+            out.scheduled.append(ScheduledRequest(request, num_tokens, block_ids, False, False))
+            budget -= num_tokens
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and self.free_slots:
+            request = self.waiting[0]
+            hit = self.kv.find_prefix(request) if self.kv.enable_prefix_caching else NO_HIT
+            num_tokens = min(request.num_tokens - hit.num_tokens, budget)
+            block_ids = self.kv.allocate(request, num_tokens, hit)
+            if block_ids is None:
+                return
+            self.waiting.popleft()
+            request.admit(self.free_slots.pop(), hit.num_tokens)
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_tokens, block_ids, True, False))
+            budget -= num_tokens
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        slot = request.slot
+        request.preempt()
+        self._release(request, slot)
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request, slot: int | None) -> None:
+        """Give back the request's blocks and its data-plane slot (after its state changed, so
+        the KV manager knows whether to forget the request)."""
+        self.kv.free(request)
+        if slot is not None:
+            self.free_slots.append(slot)
+            self._freed_slots.append(slot)
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[tuple[Request, int]]:
+        """Apply a step's sampled tokens (one per scheduled request that samples, in order).
+        Returns (request, index into sampled_token_ids) for each live request that got a token;
+        requests that end here (length, EOS, stop id) are finished and released."""
+        produced = []
+        index = -1
+        for s in out.scheduled:
+            index += s.samples
+            request = s.request
+            if request.is_finished:  # aborted while the step was in flight
+                continue
+            self.kv.cache_computed_blocks(request)
+            if not s.samples:
+                continue
+            produced.append((request, index))
+            reason = request.append_output(sampled_token_ids[index])
+            if reason is not None:
+                self.finish(request, reason)
+        assert index == len(sampled_token_ids) - 1, "sampled tokens do not match the step"
+        return produced
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request wherever it is (running or waiting) and free what it holds."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        slot = request.slot
+        request.finish(reason)
+        self._release(request, slot)
+
+    def preempt_all(self) -> list[Request]:
+        """After a data-plane loss: every running request goes back to waiting, ahead of the
+        queue and in its order, to be recomputed. Returns them."""
+        lost = list(self.running)
+        for request in reversed(lost):
+            self._preempt(request)
+        self._freed_slots = []
+        return lost
+
+    def reset_kv(self, kv: KVCacheManager) -> None:
+        """A new data plane: a new (empty) KV cache. Only valid with nothing running."""
+        assert not self.running, "preempt_all() first"
+        self.kv = kv
+        self.free_slots = list(range(self.config.max_num_seqs - 1, -1, -1))
+        self._freed_slots = []

@@ -1,0 +1,119 @@
+"""Wire the control plane together and run it: link, engine, gRPC server with health and
+reflection."""
+
+import asyncio
+import logging
+import pathlib
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.model_info import ModelInfo
+from common.transport import LinkConfig
+from controlplane.api_server import GenerationServicer
+from controlplane.dataplane_link import DataPlaneLink
+from controlplane.engine import Engine
+from controlplane.scheduler import SchedulerConfig
+from controlplane.tokenizer import Tokenizer
+from protos import generation_pb2, link_pb2
+
+log = logging.getLogger("splitserve.controlplane")
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    model_dir: pathlib.Path
+    dataplane_address: str  # where the control plane binds its ZeroMQ ROUTER
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int | None = None
+    max_logprobs: int = 20
+    link: LinkConfig = field(default_factory=LinkConfig)
+
+    def scheduler_config(self, model: ModelInfo) -> SchedulerConfig:
+        max_model_len = self.max_model_len or model.max_position_embeddings
+        if max_model_len > model.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model.max_position_embeddings}")
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=max_model_len,
+                               enable_prefix_caching=self.enable_prefix_caching)
+
+
+class ControlPlane:
+    """Everything the control plane runs, built from its config (see `start`)."""
+
+    def __init__(self, config: ControlPlaneConfig) -> None:
+        self.config = config
+        self.model = ModelInfo.from_dir(config.model_dir)
+        self.scheduler_config = config.scheduler_config(self.model)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        limits = link_pb2.Configure(
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_model_len=self.scheduler_config.max_model_len, max_logprobs=config.max_logprobs)
+        self.link = DataPlaneLink(config.dataplane_address, self.model, limits, config.link,
+                                  on_change=self._set_serving)
+        tokenizer = Tokenizer.from_dir(config.model_dir, self.model.vocab_size)
+        self.engine = Engine(self.scheduler_config, tokenizer, self.link)
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+        self._engine_task: asyncio.Task | None = None
+
+    def _set_serving(self, attached: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if attached else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, status)
+
+    async def start(self) -> int:
+        """Bind the link and the gRPC port and start the engine; returns the gRPC port."""
+        self._set_serving(False)
+        await self.link.start()
+        self.server = grpc.aio.server()
+        from protos import generation_pb2_grpc
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.engine, self.model, self.scheduler_config.max_model_len,
+                               self.config.max_waiting_requests), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self.server.start()
+        self._engine_task = asyncio.create_task(self.engine.run(), name="engine")
+        log.info("serving gRPC on %s:%d; data planes connect to %s", self.config.host, self.port,
+                 self.config.dataplane_address)
+        return self.port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        if self._engine_task is not None:
+            self._engine_task.cancel()
+            await asyncio.gather(self._engine_task, return_exceptions=True)
+        await self.link.close()
+
+
+async def run_until_signal(control_plane: ControlPlane) -> None:
+    await control_plane.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine_task = control_plane._engine_task
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({waiter, engine_task}, return_when=asyncio.FIRST_COMPLETED)
+    if engine_task in done and engine_task.exception() is not None:
+        log.error("engine loop crashed", exc_info=engine_task.exception())
+    waiter.cancel()
+    await control_plane.stop()

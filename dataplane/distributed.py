@@ -1,0 +1,96 @@
+"""Tensor-parallel process groups and the few collectives the model needs.
+
+Rank 0 forwards every control message to the other ranks as raw protobuf bytes over a CPU (gloo)
+group, so all ranks drive identical state from the same messages; the model's collectives run on
+the device group (gloo on CPU, NCCL on CUDA).
+"""
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    rank: int
+    world_size: int
+    init_method: str | None  # tcp://host:port of rank 0; None when world_size == 1
+    device: str  # "cpu" or "cuda"
+
+
+_cpu_group: dist.ProcessGroup | None = None
+
+
+def init_distributed(config: ParallelConfig, timeout_s: float = 600.0) -> None:
+    """Join the TP group (a no-op for one rank). On CUDA, rank r uses device r."""
+    global _cpu_group
+    if config.device == "cuda":
+        torch.cuda.set_device(config.rank)
+    if config.world_size == 1:
+        return
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=config.init_method, rank=config.rank,
+                            world_size=config.world_size, timeout=timeout)
+    _cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+
+
+def shutdown_distributed() -> None:
+    global _cpu_group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _cpu_group = None
+
+
+def tp_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def tp_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if tp_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def gather_to_rank0(x: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate each rank's `x` along the last dim on rank 0; other ranks get None."""
+    if tp_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size())] if tp_rank() == 0 else None
+    dist.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    if tp_size() > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+    """Rank 0 passes the bytes, every rank gets them (over the CPU group)."""
+    if tp_size() == 1:
+        assert data is not None
+        return data
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=_cpu_group)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+           else torch.empty(int(size.item()), dtype=torch.uint8))
+    if buf.numel():
+        dist.broadcast(buf, src=0, group=_cpu_group)
+    return data if data is not None else buf.numpy().tobytes()
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of each rank's `value` (over the CPU group)."""
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_cpu_group)
+    return int(t.item())

@@ -1,0 +1,57 @@
+"""The one sanctioned global: attention metadata of the forward pass in flight.
+
+Set only with `forward_context(...)`, which restores the previous value; read only by the
+attention layers and the LM head; reading it outside a forward pass raises.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from collections.abc import Iterator
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    """One batch of requests, each with `query_lens[i]` new tokens after `context_lens[i]` cached.
+
+    Tensors live on the model's device; `*_host` lists mirror them for backends that loop on the
+    host (the torch reference backend).
+    """
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_reqs] int32: cached + new tokens after this step
+    slot_mapping: torch.Tensor  # [num_tokens] int64: KV-cache slot of each new token
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    logits_indices: torch.Tensor  # [num_logits] int64: rows of the hidden state to project
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context: attention and the LM head run only inside forward_context()")
+    return _current

@@ -1,0 +1,28 @@
+import torch
+from torch import nn
+
+from dataplane.attention import AttentionBackend
+from dataplane.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention over this rank's heads. The KV cache views are bound after allocation
+    (`bind_kv_cache`), so the layer itself holds no memory until then."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend: AttentionBackend | None = None
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      backend: AttentionBackend) -> None:
+        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self.backend is not None, "bind_kv_cache() before the first forward"
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_forward_context(),
+                                    self.scale)

@@ -1,0 +1,108 @@
+"""Tensor-parallel linear layers (Megatron style).
+
+Column-parallel layers split the output features over the TP ranks and need no communication;
+row-parallel layers split the input features and all-reduce their output. A column layer followed
+by a row layer (QKV -> o_proj, gate/up -> down) costs one all-reduce.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's
+part of a checkpoint tensor; `loaded` is a safetensors slice (or tensor) so only that part is read.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dataplane.distributed import all_reduce, tp_rank, tp_size
+
+
+def _divide(numerator: int, denominator: int) -> int:
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+    return numerator // denominator
+
+
+def _rows(loaded, start: int, size: int) -> torch.Tensor:
+    """Rows [start, start + size) of a safetensors slice or tensor."""
+    return loaded[start:start + size]
+
+
+def _cols(loaded, start: int, size: int) -> torch.Tensor:
+    return loaded[:, start:start + size]
+
+
+class _Linear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+
+class ReplicatedLinear(_Linear):
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        param.data.copy_(loaded[:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(_Linear):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, _divide(output_size, tp_size()), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        size = param.shape[0]
+        param.data.copy_(_rows(loaded, tp_rank() * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // tp_size()
+        size = self.output_sizes[shard_id] // tp_size()
+        param.data.narrow(0, offset, size).copy_(_rows(loaded, tp_rank() * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; heads are split over the ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size())
+        self.num_kv_heads = _divide(num_kv_heads, tp_size())
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
+                        "v": (q_size + kv_size, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(_rows(loaded, tp_rank() * size, size))
+
+
+class RowParallelLinear(_Linear):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(_divide(input_size, tp_size()), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        if param.dim() == 1:  # the bias is added once, on rank 0 (see forward)
+            param.data.copy_(loaded[:])
+            return
+        size = param.shape[1]
+        param.data.copy_(_cols(loaded, tp_rank() * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if tp_rank() == 0 else None
+        return all_reduce(F.linear(x, self.weight, bias))

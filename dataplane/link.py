@@ -1,0 +1,139 @@
+"""Rank 0's side of the link: an I/O thread that owns the DEALER socket.
+
+The thread heartbeats every `heartbeat_interval_s` (also while the main thread is inside a long
+forward pass), repeats Hello until the control plane configures it, filters replays and stale
+epochs, and relays the remaining messages to the main thread over an inproc pair socket.
+"""
+
+import threading
+import time
+import uuid
+
+import zmq
+from google.protobuf.message import DecodeError
+
+from common.transport import LinkConfig, configure_socket
+from protos import link_pb2
+
+RELAY = b"msg"  # a message from the control plane, as raw LinkMessage bytes
+LOST = b"lost"  # the control plane went silent: drop all state and wait for a new Configure
+
+
+class ControlPlaneLink:
+    def __init__(self, address: str, hello: link_pb2.Hello, config: LinkConfig) -> None:
+        self.address = address
+        self.hello = hello
+        self.config = config
+        self.instance_id = hello.instance_id or uuid.uuid4().hex
+        self.hello.instance_id = self.instance_id
+        self._ctx = zmq.Context.instance()
+        self._inproc = f"inproc://cplink-{self.instance_id}"
+        self._main = self._ctx.socket(zmq.PAIR)  # used by the main thread only
+        self._main.bind(self._inproc)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cp-link", daemon=True)
+        self.num_dropped = 0  # malformed, replayed or stale messages
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._main.close()
+
+    # -- main thread ---------------------------------------------------------------------------
+
+    def recv(self, timeout_s: float | None = None) -> tuple[bytes, bytes] | None:
+        """The next (kind, payload) from the I/O thread; None on timeout."""
+        if timeout_s is not None and not self._main.poll(int(timeout_s * 1000)):
+            return None
+        kind, payload = self._main.recv_multipart()
+        return kind, payload
+
+    def send(self, message: link_pb2.LinkMessage) -> None:
+        """Queue a message to the control plane (the I/O thread stamps its sequence number)."""
+        self._main.send(message.SerializeToString())
+
+    # -- I/O thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        dealer = self._ctx.socket(zmq.DEALER)
+        configure_socket(dealer, self.config)
+        dealer.setsockopt(zmq.ROUTING_ID, self.instance_id.encode())
+        dealer.connect(self.address)
+        pair = self._ctx.socket(zmq.PAIR)
+        pair.connect(self._inproc)
+        try:
+            _IOLoop(self, dealer, pair).run(self._stop)
+        finally:
+            dealer.close()
+            pair.close()
+
+
+class _IOLoop:
+    def __init__(self, link: ControlPlaneLink, dealer: zmq.Socket, pair: zmq.Socket) -> None:
+        self.link = link
+        self.dealer = dealer
+        self.pair = pair
+        self.seq = 0
+        self.epoch = 0  # the epoch we were configured in; 0 = not configured
+        self.last_seq_in = 0
+        self.last_heard = time.monotonic()
+        self.last_sent = 0.0
+        self.last_hello = 0.0
+
+    def run(self, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        poller.register(self.dealer, zmq.POLLIN)
+        poller.register(self.pair, zmq.POLLIN)
+        interval = self.link.config.heartbeat_interval_s
+        while not stop.is_set():
+            events = dict(poller.poll(int(interval * 1000 / 2)))
+            if self.pair in events:
+                self._send_raw(self.pair.recv())
+            if self.dealer in events:
+                self._on_message(self.dealer.recv())
+            self._tick(time.monotonic())
+
+    def _tick(self, now: float) -> None:
+        config = self.link.config
+        if self.epoch and now - self.last_heard > config.heartbeat_timeout_s:
+            self.epoch = 0
+            self.pair.send_multipart([LOST, b""])
+        if not self.epoch and now - self.last_hello > config.hello_retry_s:
+            self.last_hello = now
+            self._send(link_pb2.LinkMessage(hello=self.link.hello))
+        elif now - self.last_sent > config.heartbeat_interval_s:
+            self._send(link_pb2.LinkMessage(epoch=self.epoch, heartbeat=link_pb2.Heartbeat()))
+
+    def _send(self, message: link_pb2.LinkMessage) -> None:
+        self.seq += 1
+        message.seq = self.seq
+        self.dealer.send(message.SerializeToString())
+        self.last_sent = time.monotonic()
+
+    def _send_raw(self, data: bytes) -> None:
+        message = link_pb2.LinkMessage()
+        message.ParseFromString(data)
+        self._send(message)
+
+    def _on_message(self, data: bytes) -> None:
+        message = link_pb2.LinkMessage()
+        try:
+            message.ParseFromString(data)
+        except DecodeError:
+            self.link.num_dropped += 1
+            return
+        kind = message.WhichOneof("body")
+        if kind == "configure" and message.epoch > self.epoch:
+            self.epoch, self.last_seq_in = message.epoch, 0  # a new epoch (or a new control plane)
+        elif kind == "reject" and not self.epoch:
+            pass
+        elif message.epoch != self.epoch or message.seq <= self.last_seq_in or kind is None:
+            self.link.num_dropped += 1
+            return
+        self.last_seq_in = message.seq
+        self.last_heard = time.monotonic()
+        if kind != "heartbeat":
+            self.pair.send_multipart([RELAY, data])

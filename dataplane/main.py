@@ -1,0 +1,79 @@
+"""Start the data plane: rank 0 in this process, ranks 1..N-1 as child processes that die with it."""
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+
+from common.model_info import ModelInfo
+from common.process import die_with_parent
+from common.transport import LinkConfig
+from dataplane.distributed import ParallelConfig, init_distributed, shutdown_distributed
+from dataplane.model_runner import ModelRunner, RunnerConfig
+from dataplane.worker import run_follower, run_rank0
+
+log = logging.getLogger("splitserve.dataplane")
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    runner: RunnerConfig
+    controlplane_address: str
+    tp: int = 1
+    rank: int | None = None  # None: this is the launcher (rank 0), it spawns the others
+    parent_pid: int | None = None  # die with this process (set by whoever spawned us)
+    dist_init_method: str | None = None
+    link: LinkConfig = LinkConfig()
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, not {self.tp}")
+        if self.rank is not None and not 0 <= self.rank < self.tp:
+            raise ValueError(f"rank must be in [0, {self.tp}), not {self.rank}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_followers(config: DataPlaneConfig, argv: list[str]) -> tuple[str, list[subprocess.Popen]]:
+    """Start ranks 1..tp-1 with the launcher's own command line plus their rank; each dies with
+    this process."""
+    init_method = config.dist_init_method or f"tcp://127.0.0.1:{_free_port()}"
+    children = [subprocess.Popen([sys.executable, "-m", "splitserve", "dataplane", *argv,
+                                  "--rank", str(rank), "--dist-init-method", init_method,
+                                  "--parent-pid", str(os.getpid())])
+                for rank in range(1, config.tp)]
+    return init_method, children
+
+
+def run(config: DataPlaneConfig, argv: list[str]) -> None:
+    if config.parent_pid is not None:
+        die_with_parent(config.parent_pid)
+    children = []
+    if config.tp > 1 and config.rank is None:
+        init_method, children = spawn_followers(config, argv)
+        config = replace(config, rank=0, dist_init_method=init_method)
+    rank = config.rank or 0
+    if config.runner.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp))
+    try:
+        init_distributed(ParallelConfig(rank, config.tp, config.dist_init_method, config.runner.device))
+        runner = ModelRunner.load(config.runner)
+        log.info("rank %d/%d loaded %s (%s, %s attention)", rank, config.tp,
+                 config.runner.model_dir, runner.dtype, runner.backend.name)
+        if rank == 0:
+            run_rank0(runner, ModelInfo.from_dir(config.runner.model_dir),
+                      config.controlplane_address, config.link)
+        else:
+            run_follower(runner)
+    finally:
+        shutdown_distributed()
+        for child in children:
+            child.kill()

@@ -1,0 +1,118 @@
+"""Batched sampling on rank 0: penalties, min_tokens, temperature, top-k, top-p, min-p, seeds and
+logprobs, vectorized over the batch (the only per-row loop draws noise for seeded rows).
+
+Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p. A seeded row
+draws its q from a generator seeded by (seed, output index), so its tokens depend on its own seed
+and logits only, not on the rest of the batch, nor on how many times it was recomputed.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the generator's seed space
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters of the rows being sampled, on the logits' device."""
+
+    temperature: torch.Tensor  # [rows] float32; 0 = greedy
+    top_k: torch.Tensor  # [rows] int64; 0 = off
+    top_p: torch.Tensor  # [rows] float32; 1 = off
+    min_p: torch.Tensor  # [rows] float32; 0 = off
+    presence_penalty: torch.Tensor  # [rows] float32
+    frequency_penalty: torch.Tensor  # [rows] float32
+    repetition_penalty: torch.Tensor  # [rows] float32; 1 = off
+    seeds: list[int | None]  # per row
+    output_index: list[int]  # per row: how many output tokens the row has already
+    # Penalties: [rows, vocab] counts of each token among the outputs, and a prompt-presence mask;
+    # None when no row has a penalty.
+    output_counts: torch.Tensor | None
+    prompt_mask: torch.Tensor | None
+    # min_tokens: [rows, vocab] True where a token must not be sampled yet; None when no row needs it.
+    suppress_mask: torch.Tensor | None
+    max_logprobs: int  # the largest N asked for among the rows; -1 when none asked
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [rows] int64
+    logprobs: torch.Tensor | None  # [rows] float32: logprob of the sampled token
+    top_token_ids: torch.Tensor | None  # [rows, max_logprobs] int64
+    top_logprobs: torch.Tensor | None  # [rows, max_logprobs] float32
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits: [rows, vocab]. Logprobs come from the unmodified model distribution."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
+    logits = apply_penalties(logits, batch)
+    if batch.suppress_mask is not None:
+        logits = logits.masked_fill(batch.suppress_mask, float("-inf"))
+    token_ids = _choose(logits, batch)
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None)
+    top_logprobs, top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
+    sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    return SamplerOutput(token_ids, sampled, top_ids, top_logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (divide positive logits, multiply negative
+    ones); presence and frequency penalties over output tokens, as in vLLM and OpenAI."""
+    if batch.output_counts is None:
+        return logits
+    counts = batch.output_counts
+    seen = (counts > 0) | batch.prompt_mask
+    penalty = batch.repetition_penalty.unsqueeze(1).expand_as(logits)
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(seen, scaled, logits)
+    logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
+    return logits - batch.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    greedy = logits.argmax(dim=-1)
+    is_greedy = batch.temperature == 0
+    if bool(is_greedy.all()):
+        return greedy
+    temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
+    logits = _truncate(logits / temperature.unsqueeze(1), batch)
+    probs = torch.softmax(logits, dim=-1)
+    random = (probs / _exponential_noise(probs, batch)).argmax(dim=-1)
+    return torch.where(is_greedy, greedy, random)
+
+
+def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask tokens outside top-k, outside the top-p nucleus, or below min_p * max prob."""
+    vocab = logits.shape[-1]
+    use_top_k = bool((batch.top_k > 0).any())
+    use_top_p = bool((batch.top_p < 1).any())
+    if use_top_k or use_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if use_top_k:
+            k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
+            drop |= torch.arange(vocab, device=logits.device) >= k.unsqueeze(1)
+        if use_top_p:
+            probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # keeps the token that crosses top_p
+            drop |= mass_before >= batch.top_p.unsqueeze(1)
+        drop[:, 0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if bool((batch.min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_()
+    for row, seed in enumerate(batch.seeds):
+        if seed is not None:
+            generator = torch.Generator(device=probs.device)
+            generator.manual_seed((seed * _SEED_MIX + batch.output_index[row]) % (1 << 63))
+            noise[row].exponential_(generator=generator)
+    return noise

@@ -1,0 +1,82 @@
+"""The rank processes. Rank 0 talks to the control plane and forwards every Configure and Step to
+the other ranks (raw protobuf bytes over the CPU group); every rank then runs the same step."""
+
+import logging
+
+from google.protobuf.message import DecodeError
+
+from common.transport import PROTOCOL_VERSION, LinkConfig
+from common.model_info import ModelInfo
+from dataplane.distributed import broadcast_bytes, tp_size
+from dataplane.link import LOST, ControlPlaneLink
+from dataplane.model_runner import ModelRunner
+from protos import link_pb2
+
+log = logging.getLogger("splitserve.dataplane")
+
+# What rank 0 forwards to the other ranks: a LinkMessage, or this marker to stop.
+_STOP = b""
+
+
+def hello_for(runner: ModelRunner, model_info: ModelInfo) -> link_pb2.Hello:
+    return link_pb2.Hello(
+        protocol_version=PROTOCOL_VERSION, model_name=model_info.name,
+        model_fingerprint=model_info.fingerprint, tp_size=tp_size(),
+        dtype=str(runner.dtype).removeprefix("torch."), device=runner.config.device,
+        block_size=runner.config.block_size, vocab_size=runner.vocab_size,
+        attention_backend=runner.backend.name)
+
+
+def _handle(runner: ModelRunner, message: link_pb2.LinkMessage) -> link_pb2.LinkMessage | None:
+    """Run one control message on this rank; rank 0 gets the reply to send back."""
+    kind = message.WhichOneof("body")
+    if kind == "configure":
+        num_blocks = runner.configure(message.configure)
+        log.info("configured for epoch %d: %d KV blocks of %d tokens", message.epoch, num_blocks,
+                 runner.config.block_size)
+        ready = link_pb2.Ready(num_kv_blocks=num_blocks, block_size=runner.config.block_size)
+        return link_pb2.LinkMessage(epoch=message.epoch, ready=ready)
+    if kind == "step":
+        result = runner.execute(message.step)
+        return None if result is None else link_pb2.LinkMessage(epoch=message.epoch, step_result=result)
+    if kind == "reject":
+        log.error("the control plane refused this data plane: %s", message.reject.reason)
+    return None
+
+
+def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: LinkConfig) -> None:
+    link = ControlPlaneLink(address, hello_for(runner, model_info), config)
+    link.start()
+    log.info("data plane %s connecting to %s", link.instance_id, address)
+    try:
+        while True:
+            kind, payload = link.recv()
+            if kind == LOST:
+                log.warning("control plane silent for %.1fs; waiting for a new one",
+                            config.heartbeat_timeout_s)
+                continue
+            message = link_pb2.LinkMessage()
+            message.ParseFromString(payload)  # the I/O thread already parsed it once
+            if message.WhichOneof("body") in ("configure", "step"):
+                broadcast_bytes(payload)
+            reply = _handle(runner, message)
+            if reply is not None:
+                link.send(reply)
+    finally:
+        if tp_size() > 1:
+            broadcast_bytes(_STOP)
+        link.close()
+
+
+def run_follower(runner: ModelRunner) -> None:
+    """Ranks 1..N-1: run whatever rank 0 forwards until it says stop."""
+    while True:
+        payload = broadcast_bytes(None)
+        if payload == _STOP:
+            return
+        message = link_pb2.LinkMessage()
+        try:
+            message.ParseFromString(payload)
+        except DecodeError:
+            raise RuntimeError("rank 0 forwarded a malformed message") from None
+        _handle(runner, message)

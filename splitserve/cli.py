@@ -1,0 +1,224 @@
+"""The `splitserve` command.
+
+  serve         the control plane plus locally spawned data-plane ranks, one command
+  controlplane  the control plane alone (gRPC API; binds the ZeroMQ port data planes connect to)
+  dataplane     the data plane alone (connects to a control plane)
+  generate      stream a completion from a running server
+  health        exit 0 only when a server is SERVING
+
+Each subcommand imports only what it runs: `controlplane`, `generate` and `health` never load
+torch.
+"""
+
+import argparse
+import asyncio
+import logging
+import pathlib
+import sys
+
+DEFAULT_PORT = 50051
+
+
+def _add_model(p: argparse.ArgumentParser, required: bool) -> None:
+    help_text = "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+    if not required:
+        help_text += ("; default: a small Qwen3 with seeded random weights (gibberish output), "
+                      "written once to ~/.cache/splitserve (or $SPLITSERVE_CACHE)")
+    p.add_argument("--model", type=pathlib.Path, required=required, help=help_text)
+
+
+def _add_api(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="gRPC listen address (default %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="gRPC port; 0 picks a free one (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most requests in one step (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="token budget of one step; longer prompts are prefilled in chunks "
+                        "(default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max_position_embeddings)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="queue bound; beyond it Generate fails with RESOURCE_EXHAUSTED")
+
+
+def _add_dataplane(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default %(default)s)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default %(default)s)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="auto: the checkpoint's dtype (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="cap on the number of KV blocks (small-memory runs, tests)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="KV cache budget per rank on CPU, GiB (default %(default)s)")
+    p.add_argument("--attention-backend", choices=("auto", "torch"), default="auto",
+                   help="auto: torch on CPU (default %(default)s)")
+
+
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="INFO", help="(default %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="control plane + local data plane, one command")
+    _add_model(serve, required=False)
+    _add_api(serve)
+    _add_dataplane(serve)
+    _add_logging(serve)
+
+    cp = sub.add_parser("controlplane", help="the control plane alone")
+    _add_model(cp, required=True)
+    cp.add_argument("--dataplane-address", required=True,
+                    help="ZeroMQ endpoint to bind for data planes, e.g. tcp://0.0.0.0:5555")
+    _add_api(cp)
+    _add_logging(cp)
+
+    dp = sub.add_parser("dataplane", help="the data plane alone")
+    _add_model(dp, required=True)
+    dp.add_argument("--controlplane-address", required=True,
+                    help="the control plane's ZeroMQ endpoint, e.g. tcp://controlplane:5555")
+    _add_dataplane(dp)
+    dp.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    dp.add_argument("--dist-init-method", default=None,
+                    help="tcp://host:port of rank 0 for multi-node TP (default: local)")
+    _add_logging(dp)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                     help="wait up to this long for the server to be SERVING first")
+
+    health = sub.add_parser("health", help="exit 0 when the server is SERVING")
+    health.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}")
+    health.add_argument("--service", default="", help="health service name (default: the server)")
+    health.add_argument("--timeout", type=float, default=5.0)
+    return parser
+
+
+def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address: str):
+    from controlplane.server import ControlPlaneConfig
+    return ControlPlaneConfig(
+        model_dir=model, dataplane_address=address, host=args.host, port=args.port,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        max_waiting_requests=args.max_waiting_requests)
+
+
+def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str) -> list[str]:
+    argv = ["--model", str(model), "--controlplane-address", address, "--device", args.device,
+            "--tp", str(args.tp), "--dtype", args.dtype, "--block-size", str(args.block_size),
+            "--kv-cache-gib", str(args.kv_cache_gib), "--attention-backend", args.attention_backend,
+            "--log-level", args.log_level]
+    if args.num_kv_blocks is not None:
+        argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    return argv
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from common.transport import private_ipc_address
+    from controlplane.server import ControlPlane, run_until_signal
+    from splitserve.default_model import ensure_default_model
+    from splitserve.supervisor import Supervisor
+
+    model = args.model or ensure_default_model()
+    address = private_ipc_address()
+    control_plane = ControlPlane(_controlplane_config(args, model, address))
+    supervisor = Supervisor([sys.executable, "-m", "splitserve", "dataplane",
+                             *_dataplane_argv(args, model, address)])
+    supervised = asyncio.create_task(supervisor.run())
+    try:
+        await run_until_signal(control_plane)
+    finally:
+        await supervisor.stop()
+        supervised.cancel()
+
+
+async def _controlplane(args: argparse.Namespace) -> None:
+    from controlplane.server import ControlPlane, run_until_signal
+    await run_until_signal(ControlPlane(_controlplane_config(args, args.model, args.dataplane_address)))
+
+
+def _dataplane(args: argparse.Namespace, argv: list[str]) -> None:
+    from dataplane.main import DataPlaneConfig, run
+    from dataplane.model_runner import RunnerConfig
+    runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                          attention_backend=args.attention_backend, block_size=args.block_size,
+                          num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.kv_cache_gib)
+    config = DataPlaneConfig(runner=runner, controlplane_address=args.controlplane_address,
+                             tp=args.tp, rank=args.rank, dist_init_method=args.dist_init_method,
+                             parent_pid=args.parent_pid)
+    run(config, _without_option(argv, "--parent-pid"))
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    """argv minus `option VALUE` / `option=VALUE` (what followers must not inherit)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+    from splitserve.client import Client
+    with Client(args.address) as client:
+        if args.wait and not client.wait_until_serving(args.wait):
+            print(f"splitserve: {args.address} is not serving after {args.wait}s", file=sys.stderr)
+            return 1
+        completion_tokens, reason = 0, ""
+        try:
+            for chunk in client.generate_stream(args.prompt, max_tokens=args.max_tokens,
+                                                temperature=args.temperature):
+                print(chunk.text, end="", flush=True)
+                if chunk.finish_reason:
+                    completion_tokens = chunk.usage.completion_tokens
+                    reason = chunk.finish_reason
+        except grpc.RpcError as e:
+            print(f"\nsplitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    from protos import generation_pb2
+    print(f"\n[{completion_tokens} tokens, finish reason: "
+          f"{generation_pb2.FinishReason.Name(reason)}]", file=sys.stderr)
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from splitserve.client import Client
+    with Client(args.address) as client:
+        serving = client.is_serving(args.service, timeout=args.timeout)
+    print("SERVING" if serving else "NOT_SERVING")
+    return 0 if serving else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if hasattr(args, "log_level"):
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        asyncio.run(_serve(args))
+    elif args.command == "controlplane":
+        asyncio.run(_controlplane(args))
+    elif args.command == "dataplane":
+        _dataplane(args, argv[1:])
+    elif args.command == "generate":
+        return _generate(args)
+    elif args.command == "health":
+        return _health(args)
+    return 0

@@ -1,0 +1,55 @@
+"""Keeps the locally spawned data plane running for `splitserve serve`: restarts it with
+exponential backoff, within a crash budget. The child dies with this process (--parent-pid)."""
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+log = logging.getLogger("splitserve.supervisor")
+
+
+class Supervisor:
+    def __init__(self, argv: list[str], max_restarts: int = 5, window_s: float = 120.0,
+                 max_backoff_s: float = 10.0) -> None:
+        self.argv = argv
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.max_backoff_s = max_backoff_s
+        self.process: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._restarts: list[float] = []
+
+    async def run(self) -> None:
+        backoff = 0.5
+        while not self._stopping:
+            started = time.monotonic()
+            self.process = await asyncio.create_subprocess_exec(
+                *self.argv, "--parent-pid", str(os.getpid()))
+            code = await self.process.wait()
+            if self._stopping:
+                return
+            now = time.monotonic()
+            if now - started > self.window_s:
+                backoff = 0.5  # it ran a good while: a fresh crash, not a crash loop
+            self._restarts = [t for t in self._restarts if now - t < self.window_s] + [now]
+            if len(self._restarts) > self.max_restarts:
+                log.error("data plane exited (code %s) %d times in %.0fs; not restarting it again",
+                          code, len(self._restarts), self.window_s)
+                return
+            log.warning("data plane exited with code %s; restarting in %.1fs", code, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.max_backoff_s)
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), timeout_s)
+        except TimeoutError:
+            process.kill()
+            await process.wait()

@@ -1,0 +1,61 @@
+"""Tiny numbers, so expected block ids can be written by hand."""
+
+from controlplane.kv_manager import KVCacheManager
+from controlplane.request import Request
+from controlplane.sampling_params import SamplingParams
+from controlplane.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+BLOCK_SIZE = 4
+
+
+def make_request(request_id: str, prompt: list[int] | int, max_tokens: int = 8, **sampling) -> Request:
+    tokens = list(range(100, 100 + prompt)) if isinstance(prompt, int) else prompt
+    return Request(request_id, tokens, SamplingParams(max_tokens=max_tokens, **sampling))
+
+
+def make_scheduler(num_blocks: int = 16, max_num_seqs: int = 4, max_num_batched_tokens: int = 64,
+                   max_model_len: int = 64, prefix_caching: bool = True) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len, enable_prefix_caching=prefix_caching)
+    return Scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, prefix_caching))
+
+
+def check(scheduler: Scheduler) -> None:
+    """The invariants after every step."""
+    scheduler.kv.check_invariants()
+    slots = [r.slot for r in scheduler.running]
+    assert None not in slots and len(set(slots)) == len(slots)
+    assert set(slots).isdisjoint(scheduler.free_slots)
+    assert len(slots) + len(scheduler.free_slots) == scheduler.config.max_num_seqs
+    assert all(r.slot is None for r in scheduler.waiting)
+    assert set(scheduler.kv.req_to_blocks) <= {r.request_id for r in scheduler.running}
+    bs = scheduler.kv.block_size
+    for request in scheduler.running:
+        blocks = scheduler.kv.req_to_blocks.get(request.request_id, [])
+        assert len(blocks) * bs >= request.num_computed_tokens
+        for i, block in enumerate(blocks):  # a cached block a request holds holds its tokens
+            if block.token_ids is not None:
+                assert block.token_ids == tuple(request.token_ids[i * bs:(i + 1) * bs])
+
+
+def fake_token(request: Request) -> int:
+    """A fake data plane's 'sample': a function of the whole token history, so a recompute that
+    got any token or position wrong would show up in the outputs."""
+    return (sum(request.token_ids) * 31 + request.num_tokens) % 97
+
+
+def step(scheduler: Scheduler) -> SchedulerOutput:
+    """Schedule one step, answer it like a data plane would, apply it; check invariants."""
+    out = scheduler.schedule()
+    tokens = [fake_token(s.request) for s in out.scheduled if s.samples]
+    scheduler.update(out, tokens)
+    check(scheduler)
+    return out
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 1000) -> int:
+    for n in range(max_steps):
+        if scheduler.num_unfinished == 0:
+            return n
+        step(scheduler)
+    raise AssertionError(f"not done after {max_steps} steps")

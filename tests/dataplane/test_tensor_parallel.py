@@ -1,0 +1,43 @@
+"""TP=2 over gloo, two real processes: logits equal transformers' (and so TP=1's)."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+
+from common.wire import unpack_i32
+from tests.dataplane import tp_worker
+
+ATOL = 2e-4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["untied", "odd_vocab"])
+def test_tp2_logits_match_transformers(checkpoints, tmp_path, name):
+    path, out = checkpoints[name], tmp_path / "logits.pt"
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.dataplane.tp_worker", str(path),
+                               str(rank), "2", init, str(out)]) for rank in range(2)]
+    try:
+        codes = [p.wait(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert codes == [0, 0]
+    got = torch.load(out)
+    hf = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = [hf(torch.tensor([p])).logits[0, -1] for p in tp_worker.PROMPTS]
+    torch.testing.assert_close(got["prefill"][0], ref[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got["prefill"][1], ref[1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got["chunk"][0], ref[2], atol=ATOL, rtol=0)
+    assert list(unpack_i32(got["sampled"])) == [int(ref[1].argmax())]

@@ -1,0 +1,101 @@
+"""Real server processes for end-to-end tests: `splitserve serve`, or the two planes started as
+separate commands. Every wait is bounded; a server that does not come up fails the test with
+its log."""
+
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from splitserve.client import Client
+
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A `python -m splitserve ...` child with its output in a log file."""
+
+    def __init__(self, args: list[str], log_path: pathlib.Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen([sys.executable, "-m", "splitserve", *args], stdout=self._log,
+                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, pattern: str, timeout_s: float = START_TIMEOUT_S) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.log())
+            if match:
+                return match
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not in the log of {self.popen.args}:\n{self.log()}")
+
+    def stop(self, timeout_s: float = 20) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout_s)
+        self._log.close()
+        return self.popen.returncode
+
+
+class Server:
+    """A running control plane (with or without data planes) and a client for it."""
+
+    def __init__(self, processes: list[Process], port: int) -> None:
+        self.processes = processes
+        self.port = port
+        self.address = f"127.0.0.1:{port}"
+        self.client = Client(self.address)
+
+    def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> "Server":
+        if not self.client.wait_until_serving(timeout_s):
+            raise AssertionError("not SERVING in time:\n" + "\n".join(p.log() for p in self.processes))
+        return self
+
+    def log(self) -> str:
+        return "\n".join(p.log() for p in self.processes)
+
+    def stop(self) -> None:
+        self.client.close()
+        for process in reversed(self.processes):
+            process.stop()
+
+
+def serve(model: pathlib.Path, tmp: pathlib.Path, *extra: str) -> Server:
+    """`splitserve serve` on a free port, SERVING once returned."""
+    process = Process(["serve", "--model", str(model), "--port", "0", *extra], tmp / "serve.log")
+    port = int(process.wait_for_log(r"serving gRPC on [\d.]+:(\d+)").group(1))
+    return Server([process], port).wait_serving()
+
+
+def controlplane(model: pathlib.Path, tmp: pathlib.Path, link_address: str, *extra: str) -> Server:
+    process = Process(["controlplane", "--model", str(model), "--port", "0",
+                       "--dataplane-address", link_address, *extra], tmp / "controlplane.log")
+    port = int(process.wait_for_log(r"serving gRPC on [\d.]+:(\d+)").group(1))
+    return Server([process], port)
+
+
+def dataplane(model: pathlib.Path, tmp: pathlib.Path, link_address: str, *extra: str,
+              name: str = "dataplane") -> Process:
+    return Process(["dataplane", "--model", str(model), "--controlplane-address", link_address,
+                    *extra], tmp / f"{name}.log")

@@ -1,0 +1,121 @@
+"""Greedy generation through the whole two-process stack (gRPC client -> control plane ->
+ZeroMQ -> data plane) equals transformers' greedy decoding."""
+
+import concurrent.futures
+
+import grpc
+import pytest
+
+from tests.integration import harness
+from tests.reference import hf_greedy
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPTS = [[5, 17, 99, 3, 250, 7, 81], [11], [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+           [42, 42, 42, 42, 42], list(range(60, 97))]
+MAX_TOKENS = [12, 9, 16, 5, 20]
+
+
+def generate_all(server, prompts, max_tokens, **sampling):
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(server.client.generate, p, max_tokens=n, temperature=0,
+                               ignore_eos=True, timeout=120, **sampling)
+                   for p, n in zip(prompts, max_tokens)]
+        return [f.result() for f in futures]
+
+
+def expected(model, prompts=PROMPTS, max_tokens=MAX_TOKENS):
+    return [hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return checkpoints["untied"]
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    s = harness.serve(model, tmp_path_factory.mktemp("serve"), "--block-size", "4",
+                      "--num-kv-blocks", "256")
+    yield s
+    s.stop()
+
+
+def test_concurrent_greedy_equals_transformers(server, model):
+    completions = generate_all(server, PROMPTS, MAX_TOKENS)
+    assert [c.token_ids for c in completions] == expected(model)
+    for c, p, n in zip(completions, PROMPTS, MAX_TOKENS):
+        assert c.finish_reason == "length"
+        assert (c.prompt_tokens, c.completion_tokens) == (len(p), n)
+
+
+def test_repeated_prompt_is_served_from_the_prefix_cache(server, model):
+    prompt = list(range(100, 123))  # 23 tokens: 5 full blocks of 4
+    first = server.client.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+    second = server.client.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == 20
+    assert first.token_ids == second.token_ids == hf_greedy(model, prompt, 6)
+
+
+def test_text_prompt_streams_the_decoded_text(server):
+    chunks = list(server.client.generate_stream("The quick brown fox", max_tokens=10,
+                                                temperature=0, ignore_eos=True))
+    assert len(chunks) == 10 and chunks[-1].finish_reason
+    token_ids = [t for c in chunks for t in c.token_ids]
+    text = "".join(c.text for c in chunks)
+    assert text == server.client.detokenize(token_ids)
+    prompt = "The quick brown fox"
+    assert server.client.detokenize(server.client.tokenize(prompt)) == prompt
+
+
+def test_load_returns_to_zero(server):
+    load = server.client.load()
+    assert (load.num_running, load.num_waiting, load.kv_blocks_used) == (0, 0, 0)
+    assert load.kv_blocks_total == 256
+
+
+def test_tiny_kv_cache_preempts_and_recomputes_identically(model, tmp_path):
+    # Four requests that all fit when admitted (2 blocks of 4 each) and grow to 8 blocks each,
+    # in a cache of 16 blocks: the newest are preempted and recomputed as the others grow.
+    prompts = [[(7 * i + j) % 320 for j in range(8)] for i in range(4)]
+    max_tokens = [24] * 4
+    server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "16")
+    try:
+        completions = generate_all(server, prompts, max_tokens)
+        load = server.client.load()
+    finally:
+        server.stop()
+    assert load.num_preemptions > 0, "the test meant to force preemption"
+    assert load.kv_blocks_used == 0
+    assert [c.token_ids for c in completions] == expected(model, prompts, max_tokens)
+
+
+def test_tensor_parallel_2_equals_transformers(model, tmp_path):
+    server = harness.serve(model, tmp_path, "--tp", "2", "--block-size", "4",
+                           "--num-kv-blocks", "128")
+    try:
+        completions = generate_all(server, PROMPTS[:3], MAX_TOKENS[:3])
+        info = server.client.model_info()
+    finally:
+        server.stop()
+    assert info.tp_size == 2
+    assert [c.token_ids for c in completions] == expected(model, PROMPTS[:3], MAX_TOKENS[:3])
+
+
+def test_planes_started_as_two_commands_over_tcp(checkpoints, tmp_path):
+    model = checkpoints["tied"]
+    link = f"tcp://127.0.0.1:{harness.free_port()}"
+    server = harness.controlplane(model, tmp_path, link)
+    try:
+        with pytest.raises(grpc.RpcError) as error:
+            server.client.generate([1, 2, 3], max_tokens=2)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not server.client.is_serving()
+        server.processes.append(harness.dataplane(model, tmp_path, link, "--block-size", "8",
+                                                  "--num-kv-blocks", "64"))
+        server.wait_serving()
+        completions = generate_all(server, PROMPTS, MAX_TOKENS)
+    finally:
+        server.stop()
+    assert [c.token_ids for c in completions] == expected(model)
