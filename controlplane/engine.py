@@ -129,27 +129,18 @@ class Engine:
 
     async def _serve(self, epoch: int) -> None:
         while True:
-            if self.scheduler.num_unfinished == 0:
+            out = self.scheduler.schedule() if self.scheduler.has_work else None
+            for request in out.failed if out else ():
+                log.error("request %s needs more KV blocks than the data plane has", request.request_id)
+                self._end(self.streams[request.request_id], Chunk(), FinishReason.ERROR)
+            if out is None or not (out.scheduled or out.freed_slots):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            out = self.scheduler.schedule()
-            if not out.scheduled:
-                self._fail_unschedulable()
-                if out.is_empty:
-                    continue
             self.num_preemptions += out.num_preempted
             result = await self.dataplane.execute(encode_step(next(self._step_ids), out), epoch)
             self._process(out, result)
             await asyncio.sleep(0)  # let RPCs run between steps
-
-    def _fail_unschedulable(self) -> None:
-        """Nothing runs and the head of the queue still does not fit: it never will."""
-        if self.scheduler.running or not self.scheduler.waiting:
-            return
-        request = self.scheduler.waiting[0]
-        log.error("request %s needs more KV blocks than exist; failing it", request.request_id)
-        self.abort(request.request_id, FinishReason.ERROR)
 
     def _process(self, out: SchedulerOutput, result) -> None:
         tokens, logprobs = decode_result(result, out)

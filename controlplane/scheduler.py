@@ -43,6 +43,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     freed_slots: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    # Requests finished with FinishReason.ERROR because they can never fit in the KV cache.
+    failed: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -50,7 +52,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.freed_slots
+        return not self.scheduled and not self.freed_slots and not self.failed
 
 
 class Scheduler:
@@ -61,14 +63,30 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._freed_slots: list[int] = []  # released since the last step was built
+        self._failed: list[Request] = []  # too large for the KV cache, not yet reported
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def has_work(self) -> bool:
+        """Something to schedule or to report."""
+        return bool(self.waiting or self.running or self._failed)
+
     def add(self, request: Request) -> None:
         assert request.status is RequestStatus.WAITING
         self.waiting.append(request)
+        self._fail_if_too_large(request)
+
+    def _fail_if_too_large(self, request: Request) -> None:
+        """A request whose prompt + max_tokens needs more blocks than exist would preempt itself
+        forever; it fails at once instead. (The API rejects such requests up front; this covers
+        a data plane that comes back with a smaller cache.)"""
+        max_tokens = request.num_prompt_tokens + request.sampling.max_tokens
+        if -(-max_tokens // self.kv.block_size) > self.kv.num_blocks:
+            self.finish(request, FinishReason.ERROR)
+            self._failed.append(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -80,6 +98,7 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_tokens
             s.samples = s.request.num_computed_tokens == s.request.num_tokens
         out.freed_slots, self._freed_slots = self._freed_slots, []
+        out.failed, self._failed = self._failed, []
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -180,3 +199,5 @@ class Scheduler:
         self.kv = kv
         self.free_slots = list(range(self.config.max_num_seqs - 1, -1, -1))
         self._freed_slots = []
+        for request in list(self.waiting):
+            self._fail_if_too_large(request)

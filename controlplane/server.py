@@ -23,6 +23,9 @@ from protos import generation_pb2, link_pb2
 log = logging.getLogger("splitserve.controlplane")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# SERVING whenever the server answers at all: for liveness probes, which must not fail just
+# because no data plane is attached (that is readiness, the "" service).
+LIVENESS_SERVICE = "liveness"
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class ControlPlane:
     async def start(self) -> int:
         """Bind the link and the gRPC port and start the engine; returns the gRPC port."""
         self._set_serving(False)
+        self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.link.start()
         self.server = grpc.aio.server()
         from protos import generation_pb2_grpc

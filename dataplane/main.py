@@ -1,6 +1,7 @@
 """Start the data plane: rank 0 in this process, ranks 1..N-1 as child processes that die with it."""
 
 import logging
+import pathlib
 import os
 import socket
 import subprocess
@@ -14,7 +15,7 @@ from common.process import die_with_parent
 from common.transport import LinkConfig
 from dataplane.distributed import ParallelConfig, init_distributed, shutdown_distributed
 from dataplane.model_runner import ModelRunner, RunnerConfig
-from dataplane.worker import run_follower, run_rank0
+from dataplane.worker import Liveness, run_follower, run_rank0
 
 log = logging.getLogger("splitserve.dataplane")
 
@@ -28,6 +29,7 @@ class DataPlaneConfig:
     parent_pid: int | None = None  # die with this process (set by whoever spawned us)
     dist_init_method: str | None = None
     link: LinkConfig = LinkConfig()
+    liveness_file: pathlib.Path | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -68,11 +70,12 @@ def run(config: DataPlaneConfig, argv: list[str]) -> None:
         runner = ModelRunner.load(config.runner)
         log.info("rank %d/%d loaded %s (%s, %s attention)", rank, config.tp,
                  config.runner.model_dir, runner.dtype, runner.backend.name)
+        liveness = Liveness(config.liveness_file)
         if rank == 0:
             run_rank0(runner, ModelInfo.from_dir(config.runner.model_dir),
-                      config.controlplane_address, config.link)
+                      config.controlplane_address, config.link, liveness)
         else:
-            run_follower(runner)
+            run_follower(runner, liveness)
     finally:
         shutdown_distributed()
         for child in children:

@@ -2,6 +2,8 @@
 the other ranks (raw protobuf bytes over the CPU group); every rank then runs the same step."""
 
 import logging
+import pathlib
+import time
 
 from google.protobuf.message import DecodeError
 
@@ -16,6 +18,23 @@ log = logging.getLogger("splitserve.dataplane")
 
 # What rank 0 forwards to the other ranks: a LinkMessage, or this marker to stop.
 _STOP = b""
+_IDLE_TICK_S = 1.0  # rank 0 wakes the followers this often when idle (their liveness)
+
+
+class Liveness:
+    """Touches a file while the process loop turns, for exec liveness probes
+    (`splitserve health --file F --max-age S`)."""
+
+    def __init__(self, path: pathlib.Path | None) -> None:
+        self.path = path
+        self._last = 0.0
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        if self.path is None or now - self._last < 0.5:
+            return
+        self._last = now
+        self.path.touch()
 
 
 def hello_for(runner: ModelRunner, model_info: ModelInfo) -> link_pb2.Hello:
@@ -44,13 +63,21 @@ def _handle(runner: ModelRunner, message: link_pb2.LinkMessage) -> link_pb2.Link
     return None
 
 
-def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: LinkConfig) -> None:
+def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: LinkConfig,
+              liveness: Liveness) -> None:
     link = ControlPlaneLink(address, hello_for(runner, model_info), config)
     link.start()
     log.info("data plane %s connecting to %s", link.instance_id, address)
+    idle_tick = link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()).SerializeToString()
     try:
         while True:
-            kind, payload = link.recv()
+            liveness.beat()
+            received = link.recv(timeout_s=_IDLE_TICK_S)
+            if received is None:
+                if tp_size() > 1:
+                    broadcast_bytes(idle_tick)
+                continue
+            kind, payload = received
             if kind == LOST:
                 log.warning("control plane silent for %.1fs; waiting for a new one",
                             config.heartbeat_timeout_s)
@@ -68,9 +95,10 @@ def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: 
         link.close()
 
 
-def run_follower(runner: ModelRunner) -> None:
+def run_follower(runner: ModelRunner, liveness: Liveness) -> None:
     """Ranks 1..N-1: run whatever rank 0 forwards until it says stop."""
     while True:
+        liveness.beat()
         payload = broadcast_bytes(None)
         if payload == _STOP:
             return

@@ -84,10 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--controlplane-address", required=True,
                     help="the control plane's ZeroMQ endpoint, e.g. tcp://controlplane:5555")
     _add_dataplane(dp)
-    dp.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    dp.add_argument("--rank", type=int, default=None,
+                    help="this process's TP rank, for one rank per host or pod (default: start "
+                         "rank 0 here and spawn ranks 1..tp-1 locally)")
     dp.add_argument("--dist-init-method", default=None,
-                    help="tcp://host:port of rank 0 for multi-node TP (default: local)")
+                    help="tcp://host:port where rank 0 gathers the ranks (with --rank)")
+    dp.add_argument("--liveness-file", type=pathlib.Path, default=None,
+                    help="touched while the process loop turns, for `splitserve health --file`")
+    dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     _add_logging(dp)
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
@@ -98,10 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="wait up to this long for the server to be SERVING first")
 
-    health = sub.add_parser("health", help="exit 0 when the server is SERVING")
+    health = sub.add_parser(
+        "health", help="exit 0 when the server is SERVING (or a liveness file is fresh)",
+        description="Probe for healthchecks. Over gRPC: exit 0 when the service is SERVING; the "
+                    "default service \"\" is SERVING only while a data plane is attached (a "
+                    "readiness check); \"liveness\" is SERVING while the control plane's loop "
+                    "runs. With --file: exit 0 when the data plane touched the file within "
+                    "--max-age seconds.")
     health.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}")
-    health.add_argument("--service", default="", help="health service name (default: the server)")
+    health.add_argument("--service", default="", help="health service name (default: \"\")")
     health.add_argument("--timeout", type=float, default=5.0)
+    health.add_argument("--file", type=pathlib.Path, default=None,
+                        help="a data plane's --liveness-file instead of a gRPC check")
+    health.add_argument("--max-age", type=float, default=30.0, help="seconds (with --file)")
     return parser
 
 
@@ -156,7 +169,7 @@ def _dataplane(args: argparse.Namespace, argv: list[str]) -> None:
                           num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.kv_cache_gib)
     config = DataPlaneConfig(runner=runner, controlplane_address=args.controlplane_address,
                              tp=args.tp, rank=args.rank, dist_init_method=args.dist_init_method,
-                             parent_pid=args.parent_pid)
+                             parent_pid=args.parent_pid, liveness_file=args.liveness_file)
     run(config, _without_option(argv, "--parent-pid"))
 
 
@@ -198,6 +211,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
+    if args.file is not None:
+        import time
+        age = time.time() - args.file.stat().st_mtime if args.file.exists() else float("inf")
+        print(f"{args.file}: {age:.1f}s old")
+        return 0 if age <= args.max_age else 1
     from splitserve.client import Client
     with Client(args.address) as client:
         serving = client.is_serving(args.service, timeout=args.timeout)
