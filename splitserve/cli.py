@@ -5,6 +5,7 @@
   dataplane     the data plane alone (connects to a control plane)
   generate      stream a completion from a running server
   health        exit 0 only when a server is SERVING
+  demo-model    write the default tiny random-weight model to a directory (for containers)
 
 Each subcommand imports only what it runs: `controlplane`, `generate` and `health` never load
 torch.
@@ -101,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="wait up to this long for the server to be SERVING first")
+
+    demo = sub.add_parser("demo-model", help="write the default tiny model (seeded random "
+                          "weights) to DIR unless it is there; prints DIR")
+    demo.add_argument("dir", type=pathlib.Path, nargs="?", default=None,
+                      help="(default: the cache, ~/.cache/splitserve or $SPLITSERVE_CACHE)")
 
     health = sub.add_parser(
         "health", help="exit 0 when the server is SERVING (or a liveness file is fresh)",
@@ -239,4 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     elif args.command == "health":
         return _health(args)
+    elif args.command == "demo-model":
+        from splitserve.default_model import ensure_default_model
+        print(ensure_default_model(args.dir))
     return 0

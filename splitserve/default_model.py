@@ -17,8 +17,9 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "splitserve"
 
 
-def ensure_default_model() -> pathlib.Path:
-    path = cache_dir() / "models" / DEFAULT_MODEL_NAME
+def ensure_default_model(path: pathlib.Path | None = None) -> pathlib.Path:
+    """The default model's directory (under the cache unless `path` is given), written if absent."""
+    path = path or cache_dir() / "models" / DEFAULT_MODEL_NAME
     if not (path / "config.json").exists():
         # Written by a child process: the control plane's process never imports torch.
         subprocess.run([sys.executable, "-m", "dataplane.checkpoints", str(path)], check=True)
