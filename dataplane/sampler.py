@@ -77,11 +77,17 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     is_greedy = batch.temperature == 0
     if bool(is_greedy.all()):
         return greedy
-    temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
-    logits = _truncate(logits / temperature.unsqueeze(1), batch)
-    probs = torch.softmax(logits, dim=-1)
+    probs = sampling_probs(logits, batch)
     random = (probs / _exponential_noise(probs, batch)).argmax(dim=-1)
     return torch.where(is_greedy, greedy, random)
+
+
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: temperature, then top-k, top-p and min-p
+    truncation. Greedy rows (temperature 0) get temperature 1 here and are not sampled."""
+    is_greedy = batch.temperature == 0
+    temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
+    return torch.softmax(_truncate(logits / temperature.unsqueeze(1), batch), dim=-1)
 
 
 def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
