@@ -42,17 +42,19 @@ def chunk_to_proto(request_id: str, chunk: Chunk) -> generation_pb2.GenerateResp
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine, model: ModelInfo, max_model_len: int,
-                 max_waiting_requests: int | None = None) -> None:
+                 max_waiting_requests: int, max_logprobs: int) -> None:
         self.engine = engine
         self.model = model
         self.max_model_len = max_model_len
         self.max_waiting_requests = max_waiting_requests
+        self.max_logprobs = max_logprobs
 
     def limits(self) -> Limits:
         info = self.engine.info
         capacity = info.num_kv_blocks * info.block_size if info else self.max_model_len
         return Limits(max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
-                      max_total_tokens=min(capacity, self.max_model_len))
+                      max_total_tokens=min(capacity, self.max_model_len),
+                      max_logprobs=self.max_logprobs)
 
     def _prompt(self, request: generation_pb2.GenerateRequest, limits: Limits) -> list[int]:
         which = request.WhichOneof("input")
@@ -71,6 +73,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if not self.engine.dataplane.is_attached:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no data plane is attached")
+        num_waiting = self.engine.load()[1]
+        if num_waiting >= self.max_waiting_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{num_waiting} requests are waiting, the limit "
+                                f"(--max-waiting-requests) is {self.max_waiting_requests}; retry later")
         limits = self.limits()
         try:
             validate_request_id(request.request_id, limits)

@@ -18,7 +18,8 @@ from controlplane.dataplane_link import DataPlaneLink
 from controlplane.engine import Engine
 from controlplane.scheduler import SchedulerConfig
 from controlplane.tokenizer import Tokenizer
-from protos import generation_pb2, link_pb2
+from controlplane.auth import ApiKeyInterceptor, read_api_keys
+from protos import generation_pb2, generation_pb2_grpc, link_pb2
 
 log = logging.getLogger("splitserve.controlplane")
 
@@ -38,9 +39,27 @@ class ControlPlaneConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     enable_prefix_caching: bool = True
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int = 1024
     max_logprobs: int = 20
     link: LinkConfig = field(default_factory=LinkConfig)
+    api_key_file: pathlib.Path | None = None
+    tls_cert: pathlib.Path | None = None
+    tls_key: pathlib.Path | None = None
+    tls_client_ca: pathlib.Path | None = None  # set: clients must present a certificate it signed
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, not {self.max_waiting_requests}")
+
+    @property
+    def max_concurrent_rpcs(self) -> int:
+        """gRPC's own bound on RPCs in progress: every admitted request plus room for the
+        small RPCs; beyond it gRPC answers RESOURCE_EXHAUSTED itself."""
+        return self.max_num_seqs + self.max_waiting_requests + 256
 
     def scheduler_config(self, model: ModelInfo) -> SchedulerConfig:
         max_model_len = self.max_model_len or model.max_position_embeddings
@@ -84,20 +103,36 @@ class ControlPlane:
         self._set_serving(False)
         self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.link.start()
-        self.server = grpc.aio.server()
-        from protos import generation_pb2_grpc
+        interceptors = []
+        if self.config.api_key_file is not None:
+            interceptors.append(ApiKeyInterceptor(read_api_keys(self.config.api_key_file)))
+        self.server = grpc.aio.server(interceptors=interceptors,
+                                      maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.engine, self.model, self.scheduler_config.max_model_len,
-                               self.config.max_waiting_requests), self.server)
+                               self.config.max_waiting_requests, self.config.max_logprobs),
+            self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        credentials = self._tls_credentials()
+        self.port = self.server.add_secure_port(address, credentials) if credentials else \
+            self.server.add_insecure_port(address)
         await self.server.start()
         self._engine_task = asyncio.create_task(self.engine.run(), name="engine")
         log.info("serving gRPC on %s:%d; data planes connect to %s", self.config.host, self.port,
                  self.config.dataplane_address)
         return self.port
+
+    def _tls_credentials(self) -> grpc.ServerCredentials | None:
+        c = self.config
+        if c.tls_cert is None:
+            return None
+        client_ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
+        return grpc.ssl_server_credentials([(c.tls_key.read_bytes(), c.tls_cert.read_bytes())],
+                                           root_certificates=client_ca,
+                                           require_client_auth=client_ca is not None)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.server is not None:

@@ -79,7 +79,9 @@ def write_random_qwen3(path: str | pathlib.Path, spec: TinyQwen3 = TinyQwen3(), 
     init so that greedy choices are far from ties and comparisons are meaningful.
     """
     from transformers import Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)

@@ -40,8 +40,18 @@ def _add_api(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    p.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="queue bound; beyond it Generate fails with RESOURCE_EXHAUSTED")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="queue bound; beyond it Generate fails fast with RESOURCE_EXHAUSTED "
+                        "(default %(default)s)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest top-N a request may ask for (default %(default)s)")
+    p.add_argument("--api-key-file", type=pathlib.Path, default=None,
+                   help="require 'authorization: Bearer <key>' on every RPC but health; one key "
+                        "per line")
+    p.add_argument("--tls-cert", type=pathlib.Path, default=None, help="serve TLS: certificate (PEM)")
+    p.add_argument("--tls-key", type=pathlib.Path, default=None, help="serve TLS: private key (PEM)")
+    p.add_argument("--tls-client-ca", type=pathlib.Path, default=None,
+                   help="mutual TLS: clients must present a certificate signed by this CA")
 
 
 def _add_dataplane(p: argparse.ArgumentParser) -> None:
@@ -56,6 +66,30 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget per rank on CPU, GiB (default %(default)s)")
     p.add_argument("--attention-backend", choices=("auto", "torch"), default="auto",
                    help="auto: torch on CPU (default %(default)s)")
+
+
+def _add_client(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}", help="(default %(default)s)")
+    p.add_argument("--api-key-file", type=pathlib.Path, default=None,
+                   help="send the first key of this file as a bearer token")
+    p.add_argument("--tls", action="store_true", help="connect with TLS")
+    p.add_argument("--tls-ca", type=pathlib.Path, default=None,
+                   help="CA certificate to verify the server with (implies --tls)")
+    p.add_argument("--tls-cert", type=pathlib.Path, default=None,
+                   help="client certificate for mutual TLS (implies --tls)")
+    p.add_argument("--tls-key", type=pathlib.Path, default=None, help="client key for mutual TLS")
+
+
+def _client(args: argparse.Namespace):
+    from splitserve.client import Client
+    api_key = None
+    if args.api_key_file is not None:
+        from controlplane.auth import read_api_keys
+        api_key = read_api_keys(args.api_key_file)[0].decode()
+    read = lambda path: path.read_bytes() if path else None  # noqa: E731
+    tls = args.tls or bool(args.tls_ca or args.tls_cert)
+    return Client(args.address, api_key=api_key, tls=tls, root_certificates=read(args.tls_ca),
+                  certificate_chain=read(args.tls_cert), private_key=read(args.tls_key))
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:
@@ -95,11 +129,27 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     _add_logging(dp)
 
-    gen = sub.add_parser("generate", help="stream a completion from a running server")
+    gen = sub.add_parser("generate", help="stream a completion from a running server",
+                         description="Stream a completion to stdout; usage goes to stderr. "
+                                     "Unset sampling flags take the server's defaults.")
     gen.add_argument("prompt")
-    gen.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}")
+    _add_client(gen)
     gen.add_argument("--max-tokens", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1)")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--presence-penalty", type=float, default=None)
+    gen.add_argument("--frequency-penalty", type=float, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append",
+                     default=None, help="stop token id (repeatable)")
+    gen.add_argument("--min-tokens", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--request-id", default="")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="wait up to this long for the server to be SERVING first")
 
@@ -115,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "readiness check); \"liveness\" is SERVING while the control plane's loop "
                     "runs. With --file: exit 0 when the data plane touched the file within "
                     "--max-age seconds.")
-    health.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}")
+    _add_client(health)
     health.add_argument("--service", default="", help="health service name (default: \"\")")
     health.add_argument("--timeout", type=float, default=5.0)
     health.add_argument("--file", type=pathlib.Path, default=None,
@@ -130,7 +180,9 @@ def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address:
         model_dir=model, dataplane_address=address, host=args.host, port=args.port,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        max_waiting_requests=args.max_waiting_requests)
+        max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
+        api_key_file=args.api_key_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca)
 
 
 def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str) -> list[str]:
@@ -192,27 +244,34 @@ def _without_option(argv: list[str], option: str) -> list[str]:
     return out
 
 
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
+                  "min_tokens")
+
+
 def _generate(args: argparse.Namespace) -> int:
     import grpc
-    from splitserve.client import Client
-    with Client(args.address) as client:
+    from protos import generation_pb2
+    sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    with _client(args) as client:
         if args.wait and not client.wait_until_serving(args.wait):
             print(f"splitserve: {args.address} is not serving after {args.wait}s", file=sys.stderr)
             return 1
-        completion_tokens, reason = 0, ""
+        last = None
         try:
-            for chunk in client.generate_stream(args.prompt, max_tokens=args.max_tokens,
-                                                temperature=args.temperature):
+            for chunk in client.generate_stream(args.prompt, request_id=args.request_id,
+                                                timeout=args.timeout, ignore_eos=args.ignore_eos,
+                                                **sampling):
                 print(chunk.text, end="", flush=True)
-                if chunk.finish_reason:
-                    completion_tokens = chunk.usage.completion_tokens
-                    reason = chunk.finish_reason
+                last = chunk
         except grpc.RpcError as e:
             print(f"\nsplitserve: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    from protos import generation_pb2
-    print(f"\n[{completion_tokens} tokens, finish reason: "
-          f"{generation_pb2.FinishReason.Name(reason)}]", file=sys.stderr)
+    usage = last.usage
+    print()
+    print(f"[{usage.completion_tokens} tokens ({usage.prompt_tokens} prompt, "
+          f"{usage.cached_tokens} cached), finish reason: "
+          f"{generation_pb2.FinishReason.Name(last.finish_reason)}]", file=sys.stderr)
     return 0
 
 
@@ -222,8 +281,7 @@ def _health(args: argparse.Namespace) -> int:
         age = time.time() - args.file.stat().st_mtime if args.file.exists() else float("inf")
         print(f"{args.file}: {age:.1f}s old")
         return 0 if age <= args.max_age else 1
-    from splitserve.client import Client
-    with Client(args.address) as client:
+    with _client(args) as client:
         serving = client.is_serving(args.service, timeout=args.timeout)
     print("SERVING" if serving else "NOT_SERVING")
     return 0 if serving else 1

@@ -1,0 +1,66 @@
+"""The `splitserve` command as a user runs it."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration import harness
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def splitserve(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "splitserve", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    s = harness.serve(checkpoints["untied"], tmp_path_factory.mktemp("cli"), "--num-kv-blocks", "64")
+    yield s
+    s.stop()
+
+
+def test_generate_streams_the_completion(server):
+    result = splitserve("generate", "--address", server.address, "--max-tokens", "8",
+                        "--temperature", "0", "--ignore-eos", "The quick brown fox")
+    assert result.returncode == 0, result.stderr
+    expected = server.client.generate("The quick brown fox", max_tokens=8, temperature=0,
+                                      ignore_eos=True).text
+    assert result.stdout == expected + "\n"
+    assert "[8 tokens" in result.stderr and "FINISH_REASON_LENGTH" in result.stderr
+
+
+def test_generate_reports_invalid_arguments(server):
+    result = splitserve("generate", "--address", server.address, "--top-p", "2", "hi")
+    assert result.returncode == 1
+    assert "INVALID_ARGUMENT: sampling.top_p" in result.stderr
+
+
+def test_health_exit_codes(server, tmp_path):
+    assert splitserve("health", "--address", server.address).returncode == 0
+    assert splitserve("health", "--address", server.address, "--service", "liveness").returncode == 0
+    dead = splitserve("health", "--address", f"127.0.0.1:{harness.free_port()}", "--timeout", "1")
+    assert dead.returncode == 1 and "NOT_SERVING" in dead.stdout
+    beat = tmp_path / "alive"
+    assert splitserve("health", "--file", str(beat)).returncode == 1
+    beat.touch()
+    assert splitserve("health", "--file", str(beat), "--max-age", "30").returncode == 0
+
+
+def test_dataplane_touches_its_liveness_file(checkpoints, tmp_path):
+    link = f"tcp://127.0.0.1:{harness.free_port()}"
+    beat = tmp_path / "alive"
+    process = harness.dataplane(checkpoints["untied"], tmp_path, link, "--liveness-file", str(beat))
+    try:
+        deadline = time.monotonic() + 60
+        while not beat.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        first = beat.stat().st_mtime
+        while beat.stat().st_mtime == first and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert beat.stat().st_mtime > first, "the loop touched the file only once"
+    finally:
+        process.stop()
