@@ -41,7 +41,8 @@ def test_generate_reports_invalid_arguments(server):
 
 def test_health_exit_codes(server, tmp_path):
     assert splitserve("health", "--address", server.address).returncode == 0
-    assert splitserve("health", "--address", server.address, "--service", "liveness").returncode == 0
+    for service in ("liveness", "splitserve.v1.Generation"):
+        assert splitserve("health", "--address", server.address, "--service", service).returncode == 0
     dead = splitserve("health", "--address", f"127.0.0.1:{harness.free_port()}", "--timeout", "1")
     assert dead.returncode == 1 and "NOT_SERVING" in dead.stdout
     beat = tmp_path / "alive"
