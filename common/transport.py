@@ -1,25 +1,73 @@
-"""ZeroMQ settings both ends of the link use, set explicitly rather than left to defaults."""
+"""ZeroMQ settings both ends of the link use, set explicitly rather than left to defaults, and
+CURVE keys for links that leave the host."""
 
+import ipaddress
+import logging
 import os
+import pathlib
 import tempfile
+import urllib.parse
 from dataclasses import dataclass
 
 import zmq
+import zmq.auth
 
 PROTOCOL_VERSION = 1
+log = logging.getLogger("splitserve.transport")
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """This end's CURVE key pair, and the peer's public key (client side) or the directory of
+    public keys allowed to connect (server side). Key files are pyzmq certificate files, as
+    `splitserve link-keys DIR` writes them."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None = None
+    authorized_dir: pathlib.Path | None = None
+
+    @classmethod
+    def server(cls, secret_file: pathlib.Path, authorized_dir: pathlib.Path) -> "CurveKeys":
+        public, secret = zmq.auth.load_certificate(secret_file)
+        if secret is None:
+            raise ValueError(f"{secret_file} holds no secret key")
+        return cls(public, secret, authorized_dir=authorized_dir)
+
+    @classmethod
+    def client(cls, secret_file: pathlib.Path, server_file: pathlib.Path) -> "CurveKeys":
+        public, secret = zmq.auth.load_certificate(secret_file)
+        if secret is None:
+            raise ValueError(f"{secret_file} holds no secret key")
+        server_public, _ = zmq.auth.load_certificate(server_file)
+        return cls(public, secret, server_public=server_public)
+
+
+def write_link_keys(directory: pathlib.Path) -> None:
+    """Key pairs for a control plane and a data plane, and the authorized-keys directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("controlplane", "dataplane"):
+        zmq.auth.create_certificates(directory, name)
+    authorized = directory / "authorized"
+    authorized.mkdir(exist_ok=True)
+    (authorized / "dataplane.key").write_bytes((directory / "dataplane.key").read_bytes())
 
 
 @dataclass(frozen=True)
 class LinkConfig:
-    """Timing of the link. The data plane heartbeats from its own I/O thread, also while a step
-    runs, so a silent data plane is a dead or frozen one."""
+    """Timing and security of the link. The data plane heartbeats from its own I/O thread, also
+    while a step runs, so a silent data plane is a dead or frozen one."""
 
-    heartbeat_interval_s: float = 0.2
-    heartbeat_timeout_s: float = 2.0  # silence after which the peer is lost
-    step_timeout_s: float = 300.0  # a step reply later than this means the data plane is stuck
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 1.5  # silence after which the peer is lost
+    step_timeout_s: float = 120.0  # cap on the step deadline (see controlplane.deadline)
     hello_retry_s: float = 1.0  # the data plane repeats Hello until it is configured
+    # A data plane whose control plane went silent waits this long for one to come back, then
+    # exits (its orchestrator restarts it).
+    controlplane_grace_s: float = 30.0
     max_message_bytes: int = 256 << 20
     high_water_mark: int = 1000
+    curve: CurveKeys | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
@@ -28,16 +76,38 @@ class LinkConfig:
             raise ValueError("step_timeout_s must be > 0")
 
 
-def configure_socket(sock: zmq.Socket, config: LinkConfig) -> None:
+def configure_socket(sock: zmq.Socket, config: LinkConfig, server: bool) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, config.high_water_mark)
     sock.setsockopt(zmq.RCVHWM, config.high_water_mark)
     sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
     # ZMTP heartbeats: the transport drops a dead TCP peer even when no message is due.
-    interval_ms = int(config.heartbeat_interval_s * 1000)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(config.heartbeat_interval_s * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_timeout_s * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TTL, int(config.heartbeat_timeout_s * 1000))
+    keys = config.curve
+    if keys is None:
+        return
+    sock.curve_publickey, sock.curve_secretkey = keys.public, keys.secret
+    if server:
+        sock.curve_server = True
+    else:
+        sock.curve_serverkey = keys.server_public
+
+
+def warn_if_exposed(address: str, config: LinkConfig) -> None:
+    """A TCP link beyond loopback without CURVE: anyone who can reach the port can drive it."""
+    url = urllib.parse.urlparse(address)
+    if url.scheme != "tcp" or config.curve is not None:
+        return
+    host = url.hostname or ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        log.warning("the link %s is not on loopback and has no CURVE keys: restrict it by "
+                    "network policy or pass --link-secret-key", address)
 
 
 def private_ipc_address(name: str = "link") -> str:

@@ -5,7 +5,7 @@ import uuid
 import grpc
 
 from common.model_info import ModelInfo
-from controlplane.engine import Chunk, Engine
+from controlplane.engine import Chunk, Engine, NotAccepting
 from controlplane.request import FinishReason, Request
 from controlplane.validation import Limits, ValidationError, sampling_params, validate_prompt, \
     validate_request_id
@@ -71,8 +71,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return ids
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        if not self.engine.dataplane.is_attached:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no data plane is attached")
+        if not self.engine.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining" if
+                                self.engine.draining else "no data plane is attached")
         num_waiting = self.engine.load()[1]
         if num_waiting >= self.max_waiting_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -89,8 +90,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if request_id in self.engine.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request_id: {request_id!r} is already in use by a live request")
-        stream = self.engine.add_request(Request(request_id, prompt, params,
-                                                 self.model.eos_token_ids))
+        try:
+            stream = self.engine.add_request(Request(request_id, prompt, params,
+                                                     self.model.eos_token_ids))
+        except NotAccepting as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         done = False
         try:
             async for chunk in stream:

@@ -8,7 +8,12 @@ from protos import link_pb2
 
 
 class DataPlaneLost(Exception):
-    """The data plane died, hung, or was replaced; its KV cache is gone."""
+    """The data plane died, hung, or was replaced; its KV cache is gone. `step_failed`: it
+    reported that running the step raised (the step's requests are suspects)."""
+
+    def __init__(self, reason: str, step_failed: bool = False) -> None:
+        super().__init__(reason)
+        self.step_failed = step_failed
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,7 @@ class DataPlaneClient(Protocol):
         """Wait until a data plane has completed its handshake; returns what it reported."""
         ...
 
-    async def execute(self, step: link_pb2.Step, epoch: int) -> link_pb2.StepResult:
+    async def execute(self, step: link_pb2.Step, epoch: int, timeout_s: float) -> link_pb2.StepResult:
         """Run one step on the data plane attached in `epoch`. Raises DataPlaneLost if that data
-        plane is gone (or goes while the step runs)."""
+        plane is gone, goes while the step runs, or does not answer within `timeout_s`."""
         ...

@@ -1,10 +1,11 @@
 """The control plane's side of the link: a ZeroMQ ROUTER that data-plane rank 0 connects to.
 
 One data plane is attached at a time. Its Hello is checked (protocol, model), answered with
-Configure in a new epoch, and it is attached once it reports Ready. It is lost when it goes
-silent (no message within `heartbeat_timeout_s`; it heartbeats from an I/O thread, also during a
-step), when a step reply misses `step_timeout_s`, or when a new data plane's Hello arrives after
-it went silent. Loss fails the step in flight with DataPlaneLost.
+Configure in a new epoch, and it is attached once it reports Ready. It is lost when its
+connection drops (seen at once through a socket monitor), when it goes silent for
+`heartbeat_timeout_s` (it heartbeats from an I/O thread, also during a step), when a step reply
+misses its deadline, or when it reports a failed step. Loss fails the step in flight with
+DataPlaneLost, and the lost data plane is told to exit (a Reject in its epoch).
 """
 
 import asyncio
@@ -13,10 +14,12 @@ import time
 
 import zmq
 import zmq.asyncio
-from google.protobuf.message import DecodeError
+import zmq.auth.asyncio
+import zmq.utils.monitor
 
+from common import framing
 from common.model_info import ModelInfo
-from common.transport import PROTOCOL_VERSION, LinkConfig, configure_socket
+from common.transport import PROTOCOL_VERSION, LinkConfig, configure_socket, warn_if_exposed
 from controlplane.dataplane_client import DataPlaneInfo, DataPlaneLost
 from protos import link_pb2
 
@@ -41,6 +44,7 @@ class DataPlaneLink:
         self.config = config
         self._on_change = on_change or (lambda attached: None)
         self._sock: zmq.asyncio.Socket | None = None
+        self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
         self._tasks: list[asyncio.Task] = []
         self._peer: _Peer | None = None
         # Epochs start at the wall clock in microseconds, so a restarted control plane's epochs
@@ -50,19 +54,27 @@ class DataPlaneLink:
         self._last_seq_in: dict[bytes, int] = {}
         self._attached = asyncio.Event()
         self._pending: dict[int, asyncio.Future] = {}
-        self.num_dropped = 0
+        self.num_dropped = 0  # malformed, replayed or stale messages
 
     @property
     def is_attached(self) -> bool:
         return self._peer is not None and self._peer.info is not None
 
     async def start(self) -> None:
-        self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        configure_socket(self._sock, self.config)
+        ctx = zmq.asyncio.Context.instance()
+        if self.config.curve is not None:
+            self._auth = zmq.auth.asyncio.AsyncioAuthenticator(ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(self.config.curve.authorized_dir))
+        self._sock = ctx.socket(zmq.ROUTER)
+        configure_socket(self._sock, self.config, server=True)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        warn_if_exposed(self.address, self.config)
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.bind(self.address)
         self._tasks = [asyncio.create_task(self._reader(), name="link-reader"),
-                       asyncio.create_task(self._watchdog(), name="link-watchdog")]
+                       asyncio.create_task(self._watchdog(), name="link-watchdog"),
+                       asyncio.create_task(self._monitor(monitor), name="link-monitor")]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -70,7 +82,10 @@ class DataPlaneLink:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._lose("control plane closing")
         if self._sock is not None:
+            self._sock.disable_monitor()
             self._sock.close()
+        if self._auth is not None:
+            self._auth.stop()
 
     async def attach(self) -> DataPlaneInfo:
         while not self.is_attached:
@@ -79,7 +94,7 @@ class DataPlaneLink:
                 self._attached.clear()
         return self._peer.info
 
-    async def execute(self, step: link_pb2.Step, epoch: int) -> link_pb2.StepResult:
+    async def execute(self, step: link_pb2.Step, epoch: int, timeout_s: float) -> link_pb2.StepResult:
         peer = self._peer
         if peer is None or peer.info is None or peer.epoch != epoch:
             raise DataPlaneLost("the data plane of this epoch is gone")
@@ -87,10 +102,10 @@ class DataPlaneLink:
         self._pending[step.step_id] = future
         try:
             await self._send(peer, link_pb2.LinkMessage(step=step))
-            return await asyncio.wait_for(future, self.config.step_timeout_s)
+            return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
-            self._lose(f"step {step.step_id} got no reply within {self.config.step_timeout_s}s")
-            raise DataPlaneLost("step timed out") from None
+            self._lose(f"step {step.step_id} got no reply within its {timeout_s:.1f}s deadline")
+            raise DataPlaneLost("step deadline passed") from None
         finally:
             self._pending.pop(step.step_id, None)
 
@@ -100,23 +115,37 @@ class DataPlaneLink:
         self._seq += 1
         message.seq, message.epoch = self._seq, peer.epoch
         try:
-            await self._sock.send_multipart([peer.identity, message.SerializeToString()])
+            await self._sock.send_multipart([peer.identity, *framing.encode(message)])
         except zmq.ZMQError as e:  # EHOSTUNREACH: the peer's connection is gone
             self._lose(f"send failed: {e}")
             raise DataPlaneLost(str(e)) from None
 
-    def _lose(self, reason: str) -> None:
-        if self._peer is None:
+    def _lose(self, reason: str, step_failed: bool = False) -> None:
+        peer = self._peer
+        if peer is None:
             return
-        log.warning("data plane %s lost: %s", self._peer.hello.instance_id, reason)
+        log.warning("data plane %s lost: %s", peer.hello.instance_id, reason)
         was_attached = self.is_attached
         self._peer = None
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(DataPlaneLost(reason))
+                future.set_exception(DataPlaneLost(reason, step_failed=step_failed))
         self._attached.set()  # wake attach() waiters so they re-check
         if was_attached:
             self._on_change(False)
+        # If it still runs (hung, partitioned), it must not serve a stale epoch: tell it to exit.
+        self._reject_soon(peer, f"declared lost: {reason}")
+
+    def _reject_soon(self, peer: _Peer, reason: str) -> None:
+        if self._sock is None or self._sock.closed:
+            return
+        message = link_pb2.LinkMessage(reject=link_pb2.Reject(reason=reason))
+        self._seq += 1
+        message.seq, message.epoch = self._seq, peer.epoch
+        try:
+            self._sock.send_multipart([peer.identity, *framing.encode(message)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # already disconnected: nothing to tell
 
     async def _watchdog(self) -> None:
         while True:
@@ -127,29 +156,38 @@ class DataPlaneLink:
             if time.monotonic() - peer.last_heard > self.config.heartbeat_timeout_s:
                 self._lose(f"silent for more than {self.config.heartbeat_timeout_s}s")
                 continue
-            try:
-                await self._send(peer, link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()))
-            except DataPlaneLost:
-                pass
+            await self._probe(peer)
+
+    async def _probe(self, peer: _Peer) -> None:
+        """A heartbeat; sending to a disconnected peer fails at once (ROUTER_MANDATORY)."""
+        try:
+            await self._send(peer, link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()))
+        except DataPlaneLost:
+            pass
+
+    async def _monitor(self, monitor: zmq.asyncio.Socket) -> None:
+        """A dropped connection (a killed process) is seen here at once; which peer it was is
+        found by probing the attached one."""
+        try:
+            while True:
+                zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
+                if self._peer is not None:
+                    await self._probe(self._peer)
+        finally:
+            monitor.close()
 
     async def _reader(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
-            message = self._parse(frames)
+            message = self._accept(frames)
             if message is not None:
                 await self._dispatch(frames[0], message)
 
-    def _parse(self, frames: list[bytes]) -> link_pb2.LinkMessage | None:
+    def _accept(self, frames: list[bytes]) -> link_pb2.LinkMessage | None:
         """Strict decoding: anything malformed, unknown or replayed is dropped and counted."""
-        message = link_pb2.LinkMessage()
-        try:
-            assert len(frames) == 2
-            message.ParseFromString(frames[1])
-        except (DecodeError, AssertionError):
-            self.num_dropped += 1
-            return None
+        message = framing.decode(frames[1:]) if len(frames) == 3 else None
         identity = frames[0]
-        if message.WhichOneof("body") is None or message.seq <= self._last_seq_in.get(identity, 0):
+        if message is None or message.seq <= self._last_seq_in.get(identity, 0):
             self.num_dropped += 1
             return None
         self._last_seq_in[identity] = message.seq
@@ -171,6 +209,9 @@ class DataPlaneLink:
             future = self._pending.get(message.step_result.step_id)
             if future is not None and not future.done():
                 future.set_result(message.step_result)
+        elif kind == "step_error":
+            error = message.step_error
+            self._lose(f"step {error.step_id} failed: {error.message}", step_failed=True)
 
     async def _on_hello(self, identity: bytes, hello: link_pb2.Hello) -> None:
         peer = self._peer
@@ -182,8 +223,8 @@ class DataPlaneLink:
             problem = f"data plane {peer.hello.instance_id} is attached and alive"
         if problem is not None:
             log.warning("refusing data plane %s: %s", hello.instance_id, problem)
-            reject = _Peer(identity, hello, 0)
-            await self._send_quietly(reject, link_pb2.LinkMessage(reject=link_pb2.Reject(reason=problem)))
+            await self._send_quietly(_Peer(identity, hello, 0),
+                                     link_pb2.LinkMessage(reject=link_pb2.Reject(reason=problem)))
             return
         self._lose("a new data plane said hello")
         self._epoch += 1

@@ -1,16 +1,26 @@
 """The engine loop: schedule a step, run it on the data plane, turn the sampled tokens into
 stream chunks. Talks to the data plane only through the DataPlaneClient interface.
 
-On a data-plane loss every running request goes back to the queue (its tokens are all here)
-and is recomputed on the next data plane; streams continue where they were.
+Attachment (one state machine, transitions in named methods):
+
+    DETACHED --attach--> ATTACHED --loss--> REATTACHING --attach--> ATTACHED
+                                                 |
+                                                 +--reattach timeout--> DETACHED
+
+On a loss every running request goes back to the queue (all its tokens are here) and is
+recomputed on the next data plane; streams continue where they were. New requests are accepted
+while ATTACHED or REATTACHING and fail at once (UNAVAILABLE) while DETACHED or draining.
 """
 
 import asyncio
+import enum
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 from controlplane.dataplane_client import DataPlaneClient, DataPlaneInfo, DataPlaneLost
+from controlplane.deadline import StepDeadline
 from controlplane.kv_manager import KVCacheManager
 from controlplane.request import FinishReason, Request
 from controlplane.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -18,6 +28,31 @@ from controlplane.step_codec import TokenLogprobs, decode_result, encode_step
 from controlplane.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("splitserve.engine")
+
+
+class Attachment(enum.Enum):
+    DETACHED = "detached"
+    ATTACHED = "attached"
+    REATTACHING = "reattaching"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # After a loss, how long requests wait for a data plane before they end UNAVAILABLE.
+    reattach_timeout_s: float = 30.0
+    step_timeout_cap_s: float = 120.0
+    # A request in this many steps that failed on the data plane fails itself (INTERNAL), so
+    # one poisonous request cannot crash data planes forever.
+    max_step_failures: int = 2
+
+    def __post_init__(self) -> None:
+        if self.reattach_timeout_s < 0 or self.max_step_failures < 1:
+            raise ValueError("need reattach_timeout_s >= 0 and max_step_failures >= 1")
+
+
+class NotAccepting(Exception):
+    """The engine takes no new requests now (no data plane, or draining)."""
 
 
 @dataclass
@@ -42,6 +77,7 @@ class RequestStream:
         self.request = request
         self.detokenizer = detokenizer
         self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
+        self.num_step_failures = 0
 
     def __aiter__(self):
         return self._chunks()
@@ -55,30 +91,46 @@ class RequestStream:
 
 
 class Engine:
-    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer,
-                 dataplane: DataPlaneClient) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, dataplane: DataPlaneClient,
+                 on_state_change=None) -> None:
         self.config = config
+        self._on_state_change = on_state_change or (lambda: None)
         self.tokenizer = tokenizer
         self.dataplane = dataplane
-        self.scheduler: Scheduler | None = None  # one per attached data plane (its KV size)
+        self.scheduler: Scheduler | None = None  # built at the first attach (the KV size)
         self.info: DataPlaneInfo | None = None
+        self.attachment = Attachment.DETACHED
+        self.draining = False
         self.streams: dict[str, RequestStream] = {}
-        self._wakeup = asyncio.Event()
-        self._step_ids = itertools.count(1)
-        self._pending: list[Request] = []  # arrived while no data plane was attached
+        self.deadline = StepDeadline(cap_s=config.step_timeout_cap_s)
         self.num_preemptions = 0
         self.num_dataplane_losses = 0
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._step_ids = itertools.count(1)
+        self._in_flight: SchedulerOutput | None = None
+        self._reattach_timer: asyncio.Task | None = None
 
     # -- API -----------------------------------------------------------------------------------
 
+    @property
+    def accepting(self) -> bool:
+        return self.attachment is not Attachment.DETACHED and not self.draining
+
+    @property
+    def is_serving(self) -> bool:
+        """What health reports: a data plane is attached and the engine is not draining."""
+        return self.attachment is Attachment.ATTACHED and not self.draining
+
     def add_request(self, request: Request) -> RequestStream:
+        if not self.accepting:
+            raise NotAccepting("draining" if self.draining else "no data plane is attached")
         assert request.request_id not in self.streams, "request ids are unique among live requests"
         stream = RequestStream(request, self.tokenizer.detokenizer(request.sampling.stop))
         self.streams[request.request_id] = stream
-        if self.scheduler is not None:
-            self.scheduler.add(request)
-        else:
-            self._pending.append(request)
+        self._idle.clear()
+        self.scheduler.add(request)
         self._wakeup.set()
         return stream
 
@@ -87,12 +139,7 @@ class Engine:
         stream = self.streams.get(request_id)
         if stream is None:
             return False
-        request = stream.request
-        if self.scheduler is not None:
-            self.scheduler.finish(request, reason)
-        else:
-            self._pending.remove(request)
-            request.finish(reason)
+        self.scheduler.finish(stream.request, reason)
         self._end(stream, Chunk(), reason)
         return True
 
@@ -100,35 +147,98 @@ class Engine:
         """(num_running, num_waiting, kv_blocks_used, kv_blocks_total)."""
         s = self.scheduler
         if s is None:
-            return 0, len(self._pending), 0, 0
+            return 0, 0, 0, 0
         return len(s.running), len(s.waiting), s.kv.num_used_blocks, s.kv.num_blocks
 
-    # -- loop ----------------------------------------------------------------------------------
+    def on_link_change(self, attached: bool) -> None:
+        """The link saw a data plane come or go. A loss wakes the loop so an idle engine notices
+        it now, not at its next step."""
+        if not attached:
+            self._wakeup.set()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop accepting, let live requests finish for up to `timeout_s`, end the rest
+        UNAVAILABLE. Returns how many were cut off."""
+        self.draining = True
+        self._on_state_change()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        cut = list(self.streams)
+        for request_id in cut:
+            self.abort(request_id, FinishReason.UNAVAILABLE)
+        return len(cut)
+
+    # -- attachment ----------------------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
             info = await self.dataplane.attach()
-            self._start_epoch(info)
+            self._attach(info)
             try:
                 await self._serve(info.epoch)
             except DataPlaneLost as e:
-                lost = self.scheduler.preempt_all()
-                self.num_dataplane_losses += 1
-                log.warning("data plane lost (%s); %d running requests will be recomputed", e, len(lost))
+                self._lose(e)
 
-    def _start_epoch(self, info: DataPlaneInfo) -> None:
-        kv = KVCacheManager(info.num_kv_blocks, info.block_size, self.config.enable_prefix_caching)
+    def _attach(self, info: DataPlaneInfo) -> None:
+        kv = KVCacheManager(info.num_kv_blocks, info.block_size,
+                            self.config.scheduler.enable_prefix_caching)
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.config, kv)
-            for request in self._pending:
-                self.scheduler.add(request)
-            self._pending.clear()
+            self.scheduler = Scheduler(self.config.scheduler, kv)
         else:
             self.scheduler.reset_kv(kv)
+        if self._reattach_timer is not None:
+            self._reattach_timer.cancel()
+            self._reattach_timer = None
         self.info = info
+        self.deadline.reset()
+        self.attachment = Attachment.ATTACHED
+        self._wakeup.set()
+        self._on_state_change()
+
+    def _lose(self, error: DataPlaneLost) -> None:
+        assert self.attachment is Attachment.ATTACHED
+        self.num_dataplane_losses += 1
+        if error.step_failed and self._in_flight is not None:
+            self._blame(self._in_flight)
+        lost = self.scheduler.preempt_all()
+        self._in_flight = None
+        log.warning("data plane lost (%s); %d running requests wait up to %.0fs for another",
+                    error, len(lost), self.config.reattach_timeout_s)
+        self.attachment = Attachment.REATTACHING
+        self._reattach_timer = asyncio.create_task(self._give_up_after_timeout())
+        self._on_state_change()
+
+    def _blame(self, out: SchedulerOutput) -> None:
+        """The step failed on the data plane: its requests are suspects; repeat offenders fail."""
+        for scheduled in out.scheduled:
+            stream = self.streams.get(scheduled.request.request_id)
+            if stream is None:
+                continue
+            stream.num_step_failures += 1
+            if stream.num_step_failures >= self.config.max_step_failures:
+                log.error("request %s was in %d failed steps; failing it", stream.request.request_id,
+                          stream.num_step_failures)
+                self.abort(stream.request.request_id, FinishReason.ERROR)
+
+    async def _give_up_after_timeout(self) -> None:
+        await asyncio.sleep(self.config.reattach_timeout_s)
+        if self.attachment is not Attachment.REATTACHING:
+            return
+        log.error("no data plane within %.0fs; ending %d requests UNAVAILABLE",
+                  self.config.reattach_timeout_s, len(self.streams))
+        self.attachment = Attachment.DETACHED
+        for request_id in list(self.streams):
+            self.abort(request_id, FinishReason.UNAVAILABLE)
+        self._on_state_change()
+
+    # -- steps ---------------------------------------------------------------------------------
 
     async def _serve(self, epoch: int) -> None:
         while True:
+            if not self.dataplane.is_attached:
+                raise DataPlaneLost("the link reports the data plane gone")
             out = self.scheduler.schedule() if self.scheduler.has_work else None
             for request in out.failed if out else ():
                 log.error("request %s needs more KV blocks than the data plane has", request.request_id)
@@ -138,25 +248,38 @@ class Engine:
                 await self._wakeup.wait()
                 continue
             self.num_preemptions += out.num_preempted
-            result = await self.dataplane.execute(encode_step(next(self._step_ids), out), epoch)
+            num_tokens = out.num_batched_tokens
+            self._in_flight = out
+            started = time.monotonic()
+            result = await self.dataplane.execute(encode_step(next(self._step_ids), out), epoch,
+                                                  self.deadline.timeout_for(num_tokens))
+            self.deadline.observe(num_tokens, time.monotonic() - started)
+            self._in_flight = None
             self._process(out, result)
             await asyncio.sleep(0)  # let RPCs run between steps
 
     def _process(self, out: SchedulerOutput, result) -> None:
         tokens, logprobs = decode_result(result, out)
-        produced = self.scheduler.update(out, tokens)
-        for request, index in produced:
-            stream = self.streams[request.request_id]
-            text, stopped = stream.detokenizer.add(tokens[index])
-            chunk = Chunk([tokens[index]], text, [logprobs[index]] if logprobs[index] else [])
-            if stopped and not request.is_finished:
-                self.scheduler.finish(request, FinishReason.STOP)
-            if request.is_finished:
-                if not stopped:
-                    chunk.text += stream.detokenizer.flush()
-                self._end(stream, chunk, request.finish_reason)
-            else:
-                stream.queue.put_nowait(chunk)
+        for request, index in self.scheduler.update(out, tokens):
+            try:
+                self._emit(request, tokens[index], logprobs[index])
+            except Exception:  # a fault in one request's processing fails that request only
+                log.exception("request %s failed while processing its output", request.request_id)
+                if request.request_id in self.streams:
+                    self.abort(request.request_id, FinishReason.ERROR)
+
+    def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
+        stream = self.streams[request.request_id]
+        text, stopped = stream.detokenizer.add(token)
+        chunk = Chunk([token], text, [logprobs] if logprobs else [])
+        if stopped and not request.is_finished:
+            self.scheduler.finish(request, FinishReason.STOP)
+        if request.is_finished:
+            if not stopped:
+                chunk.text += stream.detokenizer.flush()
+            self._end(stream, chunk, request.finish_reason)
+        else:
+            stream.queue.put_nowait(chunk)
 
     def _end(self, stream: RequestStream, chunk: Chunk, reason: FinishReason) -> None:
         request = stream.request
@@ -166,3 +289,5 @@ class Engine:
         chunk.num_cached_tokens = request.num_cached_tokens or 0
         stream.queue.put_nowait(chunk)
         del self.streams[request.request_id]
+        if not self.streams:
+            self._idle.set()

@@ -1,5 +1,5 @@
 """Wire the control plane together and run it: link, engine, gRPC server with health and
-reflection."""
+reflection; drain on SIGTERM."""
 
 import asyncio
 import logging
@@ -14,11 +14,11 @@ from grpc_reflection.v1alpha import reflection
 from common.model_info import ModelInfo
 from common.transport import LinkConfig
 from controlplane.api_server import GenerationServicer
+from controlplane.auth import ApiKeyInterceptor, read_api_keys
 from controlplane.dataplane_link import DataPlaneLink
-from controlplane.engine import Engine
+from controlplane.engine import Engine, EngineConfig
 from controlplane.scheduler import SchedulerConfig
 from controlplane.tokenizer import Tokenizer
-from controlplane.auth import ApiKeyInterceptor, read_api_keys
 from protos import generation_pb2, generation_pb2_grpc, link_pb2
 
 log = logging.getLogger("splitserve.controlplane")
@@ -41,6 +41,8 @@ class ControlPlaneConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     max_logprobs: int = 20
+    reattach_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0
     link: LinkConfig = field(default_factory=LinkConfig)
     api_key_file: pathlib.Path | None = None
     tls_cert: pathlib.Path | None = None
@@ -52,8 +54,8 @@ class ControlPlaneConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        if self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, not {self.max_waiting_requests}")
+        if self.max_waiting_requests < 0 or self.drain_timeout_s < 0:
+            raise ValueError("max_waiting_requests and drain_timeout_s must be >= 0")
 
     @property
     def max_concurrent_rpcs(self) -> int:
@@ -61,46 +63,59 @@ class ControlPlaneConfig:
         small RPCs; beyond it gRPC answers RESOURCE_EXHAUSTED itself."""
         return self.max_num_seqs + self.max_waiting_requests + 256
 
-    def scheduler_config(self, model: ModelInfo) -> SchedulerConfig:
+    def engine_config(self, model: ModelInfo) -> EngineConfig:
         max_model_len = self.max_model_len or model.max_position_embeddings
         if max_model_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {model.max_position_embeddings}")
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                               max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=max_model_len,
-                               enable_prefix_caching=self.enable_prefix_caching)
+        scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                    max_num_batched_tokens=self.max_num_batched_tokens,
+                                    max_model_len=max_model_len,
+                                    enable_prefix_caching=self.enable_prefix_caching)
+        return EngineConfig(scheduler=scheduler, reattach_timeout_s=self.reattach_timeout_s,
+                            step_timeout_cap_s=self.link.step_timeout_s)
 
 
 class ControlPlane:
-    """Everything the control plane runs, built from its config (see `start`)."""
+    """Everything the control plane runs, built from its config (see `start`).
+    `on_dataplane_lost` is called when the link loses a data plane (serve restarts its child)."""
 
-    def __init__(self, config: ControlPlaneConfig) -> None:
+    def __init__(self, config: ControlPlaneConfig, on_dataplane_lost=None) -> None:
         self.config = config
         self.model = ModelInfo.from_dir(config.model_dir)
-        self.scheduler_config = config.scheduler_config(self.model)
+        self.engine_config = config.engine_config(self.model)
+        self._on_dataplane_lost = on_dataplane_lost or (lambda: None)
         self.health = health.HealthServicer(experimental_non_blocking=True)
+        scheduler = self.engine_config.scheduler
         limits = link_pb2.Configure(
-            max_num_seqs=self.scheduler_config.max_num_seqs,
-            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
-            max_model_len=self.scheduler_config.max_model_len, max_logprobs=config.max_logprobs)
+            max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            max_model_len=scheduler.max_model_len, max_logprobs=config.max_logprobs)
         self.link = DataPlaneLink(config.dataplane_address, self.model, limits, config.link,
-                                  on_change=self._set_serving)
+                                  on_change=self._on_link_change)
         tokenizer = Tokenizer.from_dir(config.model_dir, self.model.vocab_size)
-        self.engine = Engine(self.scheduler_config, tokenizer, self.link)
+        self.engine = Engine(self.engine_config, tokenizer, self.link,
+                             on_state_change=self._refresh_health)
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
-        self._engine_task: asyncio.Task | None = None
+        self.engine_task: asyncio.Task | None = None
 
-    def _set_serving(self, attached: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if attached else \
+    def _on_link_change(self, attached: bool) -> None:
+        self.engine.on_link_change(attached)
+        self._refresh_health()
+        if not attached:
+            self._on_dataplane_lost()
+
+    def _refresh_health(self) -> None:
+        serving = self.link.is_attached and self.engine.is_serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else \
             health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", SERVICE_NAME):
             self.health.set(service, status)
 
     async def start(self) -> int:
         """Bind the link and the gRPC port and start the engine; returns the gRPC port."""
-        self._set_serving(False)
+        self._refresh_health()
         self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.link.start()
         interceptors = []
@@ -109,7 +124,7 @@ class ControlPlane:
         self.server = grpc.aio.server(interceptors=interceptors,
                                       maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.engine, self.model, self.scheduler_config.max_model_len,
+            GenerationServicer(self.engine, self.model, self.engine_config.scheduler.max_model_len,
                                self.config.max_waiting_requests, self.config.max_logprobs),
             self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -120,7 +135,7 @@ class ControlPlane:
         self.port = self.server.add_secure_port(address, credentials) if credentials else \
             self.server.add_insecure_port(address)
         await self.server.start()
-        self._engine_task = asyncio.create_task(self.engine.run(), name="engine")
+        self.engine_task = asyncio.create_task(self.engine.run(), name="engine")
         log.info("serving gRPC on %s:%d; data planes connect to %s", self.config.host, self.port,
                  self.config.dataplane_address)
         return self.port
@@ -134,25 +149,37 @@ class ControlPlane:
                                            root_certificates=client_ca,
                                            require_client_auth=client_ca is not None)
 
+    async def drain_and_stop(self) -> None:
+        """SIGTERM: NOT_SERVING at once, no new requests, live ones get up to drain_timeout_s,
+        the rest end UNAVAILABLE; then the server stops."""
+        log.info("draining: %d live requests, up to %.0fs", len(self.engine.streams),
+                 self.config.drain_timeout_s)
+        cut = await self.engine.drain(self.config.drain_timeout_s)
+        if cut:
+            log.warning("drain timeout: %d requests ended UNAVAILABLE", cut)
+        await self.stop()
+
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.server is not None:
             await self.server.stop(grace_s)
-        if self._engine_task is not None:
-            self._engine_task.cancel()
-            await asyncio.gather(self._engine_task, return_exceptions=True)
+        if self.engine_task is not None:
+            self.engine_task.cancel()
+            await asyncio.gather(self.engine_task, return_exceptions=True)
         await self.link.close()
 
 
 async def run_until_signal(control_plane: ControlPlane) -> None:
+    """Serve until SIGTERM/SIGINT (then drain) or until the engine loop dies (then raise)."""
     await control_plane.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine_task = control_plane._engine_task
     waiter = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({waiter, engine_task}, return_when=asyncio.FIRST_COMPLETED)
-    if engine_task in done and engine_task.exception() is not None:
-        log.error("engine loop crashed", exc_info=engine_task.exception())
+    engine_task = control_plane.engine_task
+    await asyncio.wait({waiter, engine_task}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
-    await control_plane.stop()
+    if engine_task.done():
+        await control_plane.stop()
+        raise RuntimeError("the engine loop stopped") from engine_task.exception()
+    await control_plane.drain_and_stop()

@@ -1,22 +1,29 @@
 """Rank 0's side of the link: an I/O thread that owns the DEALER socket.
 
 The thread heartbeats every `heartbeat_interval_s` (also while the main thread is inside a long
-forward pass), repeats Hello until the control plane configures it, filters replays and stale
-epochs, and relays the remaining messages to the main thread over an inproc pair socket.
+forward pass), repeats Hello until the control plane configures it, drops malformed, replayed
+and stale messages, and relays the rest to the main thread over an inproc pair socket. It ends
+the process when the control plane declares this data plane lost (a Reject in its epoch), or
+when no control plane has been heard for `controlplane_grace_s`.
 """
 
+import logging
+import os
 import threading
 import time
 import uuid
 
 import zmq
-from google.protobuf.message import DecodeError
 
+from common import framing
 from common.transport import LinkConfig, configure_socket
 from protos import link_pb2
 
+log = logging.getLogger("splitserve.dataplane")
+
 RELAY = b"msg"  # a message from the control plane, as raw LinkMessage bytes
 LOST = b"lost"  # the control plane went silent: drop all state and wait for a new Configure
+EXIT_DROPPED = 3  # exit code when the control plane dropped us or never came back
 
 
 class ControlPlaneLink:
@@ -59,7 +66,7 @@ class ControlPlaneLink:
 
     def _run(self) -> None:
         dealer = self._ctx.socket(zmq.DEALER)
-        configure_socket(dealer, self.config)
+        configure_socket(dealer, self.config, server=False)
         dealer.setsockopt(zmq.ROUTING_ID, self.instance_id.encode())
         dealer.connect(self.address)
         pair = self._ctx.socket(zmq.PAIR)
@@ -67,6 +74,7 @@ class ControlPlaneLink:
         try:
             _IOLoop(self, dealer, pair).run(self._stop)
         finally:
+            dealer.setsockopt(zmq.LINGER, 500)  # let the last messages (a StepError) leave
             dealer.close()
             pair.close()
 
@@ -80,6 +88,7 @@ class _IOLoop:
         self.epoch = 0  # the epoch we were configured in; 0 = not configured
         self.last_seq_in = 0
         self.last_heard = time.monotonic()
+        self.lost_since: float | None = None  # set while a control plane we had is gone
         self.last_sent = 0.0
         self.last_hello = 0.0
 
@@ -93,14 +102,19 @@ class _IOLoop:
             if self.pair in events:
                 self._send_raw(self.pair.recv())
             if self.dealer in events:
-                self._on_message(self.dealer.recv())
+                self._on_frames(self.dealer.recv_multipart())
             self._tick(time.monotonic())
+        while self.pair.poll(100):  # what the main thread queued before close()
+            self._send_raw(self.pair.recv())
 
     def _tick(self, now: float) -> None:
         config = self.link.config
         if self.epoch and now - self.last_heard > config.heartbeat_timeout_s:
-            self.epoch = 0
+            self.epoch, self.lost_since = 0, now
             self.pair.send_multipart([LOST, b""])
+        if self.lost_since is not None and now - self.lost_since > config.controlplane_grace_s:
+            log.error("no control plane for %.0fs; exiting", config.controlplane_grace_s)
+            os._exit(EXIT_DROPPED)
         if not self.epoch and now - self.last_hello > config.hello_retry_s:
             self.last_hello = now
             self._send(link_pb2.LinkMessage(hello=self.link.hello))
@@ -110,7 +124,7 @@ class _IOLoop:
     def _send(self, message: link_pb2.LinkMessage) -> None:
         self.seq += 1
         message.seq = self.seq
-        self.dealer.send(message.SerializeToString())
+        self.dealer.send_multipart(framing.encode(message))
         self.last_sent = time.monotonic()
 
     def _send_raw(self, data: bytes) -> None:
@@ -118,22 +132,24 @@ class _IOLoop:
         message.ParseFromString(data)
         self._send(message)
 
-    def _on_message(self, data: bytes) -> None:
-        message = link_pb2.LinkMessage()
-        try:
-            message.ParseFromString(data)
-        except DecodeError:
+    def _on_frames(self, frames: list[bytes]) -> None:
+        message = framing.decode(frames)
+        if message is None:
             self.link.num_dropped += 1
             return
         kind = message.WhichOneof("body")
+        if kind == "reject" and self.epoch and message.epoch == self.epoch:
+            log.error("the control plane dropped this data plane: %s", message.reject.reason)
+            os._exit(EXIT_DROPPED)
         if kind == "configure" and message.epoch > self.epoch:
             self.epoch, self.last_seq_in = message.epoch, 0  # a new epoch (or a new control plane)
+            self.lost_since = None
         elif kind == "reject" and not self.epoch:
-            pass
-        elif message.epoch != self.epoch or message.seq <= self.last_seq_in or kind is None:
+            pass  # refused at the handshake: relayed for the log, Hello is retried
+        elif message.epoch != self.epoch or message.seq <= self.last_seq_in:
             self.link.num_dropped += 1
             return
         self.last_seq_in = message.seq
         self.last_heard = time.monotonic()
         if kind != "heartbeat":
-            self.pair.send_multipart([RELAY, data])
+            self.pair.send_multipart([RELAY, frames[0]])

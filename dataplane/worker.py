@@ -86,13 +86,28 @@ def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: 
             message.ParseFromString(payload)  # the I/O thread already parsed it once
             if message.WhichOneof("body") in ("configure", "step"):
                 broadcast_bytes(payload)
-            reply = _handle(runner, message)
+            try:
+                reply = _handle(runner, message)
+            except Exception as e:  # the device state may be broken: report, then exit
+                log.exception("step failed")
+                _report_failure(link, message, e)
+                raise
             if reply is not None:
                 link.send(reply)
-    finally:
-        if tp_size() > 1:
+    except KeyboardInterrupt:
+        if tp_size() > 1:  # a clean stop: release the followers (after a failure they may be stuck)
             broadcast_bytes(_STOP)
+    finally:
         link.close()
+
+
+def _report_failure(link: ControlPlaneLink, message: link_pb2.LinkMessage, error: Exception) -> None:
+    """Tell the control plane which step failed (it suspects that step's requests), then close
+    the link so the message leaves before the process exits."""
+    if message.WhichOneof("body") == "step":
+        link.send(link_pb2.LinkMessage(epoch=message.epoch, step_error=link_pb2.StepError(
+            step_id=message.step.step_id, message=f"{type(error).__name__}: {error}"[:1000])))
+    link.close()
 
 
 def run_follower(runner: ModelRunner, liveness: Liveness) -> None:

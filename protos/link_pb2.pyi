@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LinkMessage(_message.Message):
-    __slots__ = ("seq", "epoch", "hello", "configure", "ready", "step", "step_result", "heartbeat", "reject")
+    __slots__ = ("seq", "epoch", "hello", "configure", "ready", "step", "step_result", "heartbeat", "reject", "step_error")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class LinkMessage(_message.Message):
     STEP_RESULT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     REJECT_FIELD_NUMBER: _ClassVar[int]
+    STEP_ERROR_FIELD_NUMBER: _ClassVar[int]
     seq: int
     epoch: int
     hello: Hello
@@ -26,7 +27,8 @@ class LinkMessage(_message.Message):
     step_result: StepResult
     heartbeat: Heartbeat
     reject: Reject
-    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., configure: _Optional[_Union[Configure, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., step_result: _Optional[_Union[StepResult, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
+    step_error: StepError
+    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., configure: _Optional[_Union[Configure, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., step_result: _Optional[_Union[StepResult, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., step_error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("protocol_version", "instance_id", "model_name", "model_fingerprint", "tp_size", "dtype", "device", "block_size", "vocab_size", "attention_backend")
@@ -77,6 +79,14 @@ class Reject(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("step_id", "message")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    message: str
+    def __init__(self, step_id: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "min_tokens", "suppressed_token_ids", "logprobs")

@@ -6,6 +6,7 @@
   generate      stream a completion from a running server
   health        exit 0 only when a server is SERVING
   demo-model    write the default tiny random-weight model to a directory (for containers)
+  link-keys     write CURVE key pairs that authenticate the link between the planes
 
 Each subcommand imports only what it runs: `controlplane`, `generate` and `health` never load
 torch.
@@ -52,6 +53,14 @@ def _add_api(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", type=pathlib.Path, default=None, help="serve TLS: private key (PEM)")
     p.add_argument("--tls-client-ca", type=pathlib.Path, default=None,
                    help="mutual TLS: clients must present a certificate signed by this CA")
+    p.add_argument("--reattach-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="after a data-plane loss, how long requests wait for one to (re)attach "
+                        "before they end UNAVAILABLE (default %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long live requests may still run (default %(default)s)")
+    p.add_argument("--step-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="cap on a step's deadline; within it the deadline follows observed "
+                        "step times (default %(default)s)")
 
 
 def _add_dataplane(p: argparse.ArgumentParser) -> None:
@@ -111,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(cp, required=True)
     cp.add_argument("--dataplane-address", required=True,
                     help="ZeroMQ endpoint to bind for data planes, e.g. tcp://0.0.0.0:5555")
+    cp.add_argument("--link-secret-key", type=pathlib.Path, default=None,
+                    help="CURVE: this control plane's secret key file (splitserve link-keys)")
+    cp.add_argument("--link-authorized-keys", type=pathlib.Path, default=None,
+                    help="CURVE: directory of data-plane public keys allowed to connect")
     _add_api(cp)
     _add_logging(cp)
 
@@ -126,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tcp://host:port where rank 0 gathers the ranks (with --rank)")
     dp.add_argument("--liveness-file", type=pathlib.Path, default=None,
                     help="touched while the process loop turns, for `splitserve health --file`")
+    dp.add_argument("--link-secret-key", type=pathlib.Path, default=None,
+                    help="CURVE: this data plane's secret key file (splitserve link-keys)")
+    dp.add_argument("--link-server-key", type=pathlib.Path, default=None,
+                    help="CURVE: the control plane's public key file")
+    dp.add_argument("--controlplane-grace", type=float, default=30.0, metavar="SECONDS",
+                    help="exit when no control plane was heard for this long after one was "
+                         "(default %(default)s)")
     dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     _add_logging(dp)
 
@@ -153,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="wait up to this long for the server to be SERVING first")
 
+    keys = sub.add_parser("link-keys", help="write CURVE key pairs for the link to DIR")
+    keys.add_argument("dir", type=pathlib.Path)
+
     demo = sub.add_parser("demo-model", help="write the default tiny model (seeded random "
                           "weights) to DIR unless it is there; prints DIR")
     demo.add_argument("dir", type=pathlib.Path, nargs="?", default=None,
@@ -174,6 +197,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _link_config(args: argparse.Namespace, server: bool):
+    """The one place link settings come from the command line."""
+    from common.transport import CurveKeys, LinkConfig
+    secret = getattr(args, "link_secret_key", None)
+    other = getattr(args, "link_authorized_keys" if server else "link_server_key", None)
+    if (secret is None) != (other is None):
+        raise SystemExit("splitserve: CURVE needs both --link-secret-key and " +
+                         ("--link-authorized-keys" if server else "--link-server-key"))
+    curve = None
+    if secret is not None:
+        curve = CurveKeys.server(secret, other) if server else CurveKeys.client(secret, other)
+    kwargs = {"curve": curve}
+    if hasattr(args, "step_timeout"):
+        kwargs["step_timeout_s"] = args.step_timeout
+    if hasattr(args, "controlplane_grace"):
+        kwargs["controlplane_grace_s"] = args.controlplane_grace
+    return LinkConfig(**kwargs)
+
+
 def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address: str):
     from controlplane.server import ControlPlaneConfig
     return ControlPlaneConfig(
@@ -182,7 +224,8 @@ def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address:
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
         api_key_file=args.api_key_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca)
+        tls_client_ca=args.tls_client_ca, reattach_timeout_s=args.reattach_timeout,
+        drain_timeout_s=args.drain_timeout, link=_link_config(args, server=True))
 
 
 def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str) -> list[str]:
@@ -203,9 +246,11 @@ async def _serve(args: argparse.Namespace) -> None:
 
     model = args.model or ensure_default_model()
     address = private_ipc_address()
-    control_plane = ControlPlane(_controlplane_config(args, model, address))
     supervisor = Supervisor([sys.executable, "-m", "splitserve", "dataplane",
                              *_dataplane_argv(args, model, address)])
+    # A data plane the control plane gave up on (hung, frozen) is killed and started again.
+    control_plane = ControlPlane(_controlplane_config(args, model, address),
+                                 on_dataplane_lost=supervisor.restart)
     supervised = asyncio.create_task(supervisor.run())
     try:
         await run_until_signal(control_plane)
@@ -227,7 +272,8 @@ def _dataplane(args: argparse.Namespace, argv: list[str]) -> None:
                           num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.kv_cache_gib)
     config = DataPlaneConfig(runner=runner, controlplane_address=args.controlplane_address,
                              tp=args.tp, rank=args.rank, dist_init_method=args.dist_init_method,
-                             parent_pid=args.parent_pid, liveness_file=args.liveness_file)
+                             parent_pid=args.parent_pid, liveness_file=args.liveness_file,
+                             link=_link_config(args, server=False))
     run(config, _without_option(argv, "--parent-pid"))
 
 
@@ -303,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     elif args.command == "health":
         return _health(args)
+    elif args.command == "link-keys":
+        from common.transport import write_link_keys
+        write_link_keys(args.dir)
+        print(f"{args.dir}/controlplane.key_secret: --link-secret-key of the control plane\n"
+              f"{args.dir}/authorized: its --link-authorized-keys\n"
+              f"{args.dir}/dataplane.key_secret: --link-secret-key of the data plane\n"
+              f"{args.dir}/controlplane.key: its --link-server-key")
     elif args.command == "demo-model":
         from splitserve.default_model import ensure_default_model
         print(ensure_default_model(args.dir))

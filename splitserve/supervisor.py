@@ -11,12 +11,13 @@ log = logging.getLogger("splitserve.supervisor")
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], max_restarts: int = 5, window_s: float = 120.0,
-                 max_backoff_s: float = 10.0) -> None:
+    def __init__(self, argv: list[str], max_restarts: int = 10, window_s: float = 120.0,
+                 max_backoff_s: float = 10.0, healthy_after_s: float = 30.0) -> None:
         self.argv = argv
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.max_backoff_s = max_backoff_s
+        self.healthy_after_s = healthy_after_s
         self.process: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._restarts: list[float] = []
@@ -31,7 +32,7 @@ class Supervisor:
             if self._stopping:
                 return
             now = time.monotonic()
-            if now - started > self.window_s:
+            if now - started > self.healthy_after_s:
                 backoff = 0.5  # it ran a good while: a fresh crash, not a crash loop
             self._restarts = [t for t in self._restarts if now - t < self.window_s] + [now]
             if len(self._restarts) > self.max_restarts:
@@ -41,6 +42,14 @@ class Supervisor:
             log.warning("data plane exited with code %s; restarting in %.1fs", code, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff_s)
+
+    def restart(self) -> None:
+        """Kill the data plane (the run loop starts a new one): for one the control plane
+        declared lost but which may still run, frozen or hung."""
+        process = self.process
+        if process is not None and process.returncode is None and not self._stopping:
+            log.warning("killing data plane pid %d (declared lost)", process.pid)
+            process.kill()
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping = True
