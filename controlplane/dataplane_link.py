@@ -32,6 +32,7 @@ class _Peer:
         self.hello = hello
         self.epoch = epoch
         self.last_heard = time.monotonic()
+        self.configure_sent = 0.0
         self.info: DataPlaneInfo | None = None  # set once Ready arrives
 
 
@@ -101,7 +102,11 @@ class DataPlaneLink:
         future = asyncio.get_running_loop().create_future()
         self._pending[step.step_id] = future
         try:
-            await self._send(peer, link_pb2.LinkMessage(step=step))
+            try:
+                await self._send(peer, link_pb2.LinkMessage(step=step))
+            except DataPlaneLost:
+                future.cancel()  # _lose already failed it; nobody will await it now
+                raise
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             self._lose(f"step {step.step_id} got no reply within its {timeout_s:.1f}s deadline")
@@ -153,9 +158,12 @@ class DataPlaneLink:
             peer = self._peer
             if peer is None:
                 continue
-            if time.monotonic() - peer.last_heard > self.config.heartbeat_timeout_s:
+            now = time.monotonic()
+            if now - peer.last_heard > self.config.heartbeat_timeout_s:
                 self._lose(f"silent for more than {self.config.heartbeat_timeout_s}s")
                 continue
+            if peer.info is None and now - peer.configure_sent > self.config.hello_retry_s:
+                await self._configure(peer)  # Configure or Ready may have been lost on the way
             await self._probe(peer)
 
     async def _probe(self, peer: _Peer) -> None:
@@ -213,10 +221,16 @@ class DataPlaneLink:
             error = message.step_error
             self._lose(f"step {error.step_id} failed: {error.message}", step_failed=True)
 
+    async def _configure(self, peer: _Peer) -> None:
+        """Send (or repeat) Configure; a data plane configured in this epoch answers a repeat
+        with its Ready again, without configuring twice."""
+        peer.configure_sent = time.monotonic()
+        await self._send_quietly(peer, link_pb2.LinkMessage(configure=self.limits))
+
     async def _on_hello(self, identity: bytes, hello: link_pb2.Hello) -> None:
         peer = self._peer
         if peer is not None and peer.identity == identity and peer.info is None:
-            return  # a repeated Hello while its Configure is on the way
+            return  # a repeated Hello while its Configure is on the way (the watchdog repeats it)
         problem = self._incompatibility(hello)
         if problem is None and peer is not None and peer.identity != identity and \
                 time.monotonic() - peer.last_heard < self.config.heartbeat_timeout_s:
@@ -231,7 +245,7 @@ class DataPlaneLink:
         self._peer = _Peer(identity, hello, self._epoch)
         log.info("data plane %s (%s, tp=%d, %s) connected; configuring epoch %d",
                  hello.instance_id, hello.device, hello.tp_size, hello.dtype, self._epoch)
-        await self._send_quietly(self._peer, link_pb2.LinkMessage(configure=self.limits))
+        await self._configure(self._peer)
 
     async def _send_quietly(self, peer: _Peer, message: link_pb2.LinkMessage) -> None:
         try:
@@ -249,6 +263,8 @@ class DataPlaneLink:
         return None
 
     def _on_ready(self, peer: _Peer, ready: link_pb2.Ready) -> None:
+        if peer.info is not None:
+            return  # the answer to a repeated Configure
         h = peer.hello
         peer.info = DataPlaneInfo(epoch=peer.epoch, instance_id=h.instance_id,
                                   num_kv_blocks=ready.num_kv_blocks, block_size=ready.block_size,

@@ -42,8 +42,8 @@ class EngineConfig:
     # After a loss, how long requests wait for a data plane before they end UNAVAILABLE.
     reattach_timeout_s: float = 30.0
     step_timeout_cap_s: float = 120.0
-    # A request in this many steps that failed on the data plane fails itself (INTERNAL), so
-    # one poisonous request cannot crash data planes forever.
+    # A request that was alone in this many steps that failed on the data plane fails
+    # (INTERNAL), so one poisonous request cannot crash data planes forever.
     max_step_failures: int = 2
 
     def __post_init__(self) -> None:
@@ -77,7 +77,6 @@ class RequestStream:
         self.request = request
         self.detokenizer = detokenizer
         self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
-        self.num_step_failures = 0
 
     def __aiter__(self):
         return self._chunks()
@@ -211,16 +210,20 @@ class Engine:
         self._on_state_change()
 
     def _blame(self, out: SchedulerOutput) -> None:
-        """The step failed on the data plane: its requests are suspects; repeat offenders fail."""
-        for scheduled in out.scheduled:
-            stream = self.streams.get(scheduled.request.request_id)
-            if stream is None:
-                continue
-            stream.num_step_failures += 1
-            if stream.num_step_failures >= self.config.max_step_failures:
-                log.error("request %s was in %d failed steps; failing it", stream.request.request_id,
-                          stream.num_step_failures)
-                self.abort(stream.request.request_id, FinishReason.ERROR)
+        """The step failed on the data plane: its requests become suspects, which run alone
+        from now on until they get a token through; one that fails alone again and again is
+        the culprit and fails."""
+        requests = [s.request for s in out.scheduled if not s.request.is_finished]
+        for request in requests:
+            request.is_suspect = True
+        if len(requests) != 1:
+            return
+        culprit = requests[0]
+        culprit.num_solo_failures += 1
+        if culprit.num_solo_failures >= self.config.max_step_failures:
+            log.error("request %s failed %d steps alone; failing it", culprit.request_id,
+                      culprit.num_solo_failures)
+            self.abort(culprit.request_id, FinishReason.ERROR)
 
     async def _give_up_after_timeout(self) -> None:
         await asyncio.sleep(self.config.reattach_timeout_s)

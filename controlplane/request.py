@@ -46,6 +46,10 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.slot: int | None = None
         self.num_preemptions = 0
+        # In a step that failed on the data plane: runs alone until it gets a token through,
+        # so a request that crashes data planes is told apart from its batch-mates.
+        self.is_suspect = False
+        self.num_solo_failures = 0
         self.arrival_time = time.monotonic()
 
     @property

@@ -7,6 +7,9 @@ running request needs a block and none is free, the newest running request is pr
 blocks freed, to be recomputed later) until the older one fits. Waiting requests are admitted
 after that, in arrival order, starting from their longest cached prefix, as long as budget,
 slots and blocks allow and no request was preempted in this step.
+
+A suspect request (it was in a step that failed on the data plane) runs alone: while one is
+running or first in the queue, steps hold only that request, until it has sampled a token.
 """
 
 from collections import deque
@@ -91,9 +94,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if out.num_preempted == 0:
-            self._schedule_waiting(out, budget)
+        suspect = self._suspect()
+        if suspect is not None:
+            self._schedule_alone(out, suspect, budget)
+        else:
+            budget = self._schedule_running(out, budget)
+            if out.num_preempted == 0:
+                self._schedule_waiting(out, budget)
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_tokens
             s.samples = s.request.num_computed_tokens == s.request.num_tokens
@@ -101,17 +108,37 @@ class Scheduler:
         out.failed, self._failed = self._failed, []
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _suspect(self) -> Request | None:
+        """The suspect to run alone: a running one (at most one runs), else the queue's head."""
+        for request in self.running:
+            if request.is_suspect:
+                return request
+        if self.waiting and self.waiting[0].is_suspect:
+            return self.waiting[0]
+        return None
+
+    def _schedule_alone(self, out: SchedulerOutput, request: Request, budget: int) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self._schedule_running(out, budget, only=request)
+            return
+        while not self.free_slots or not self._schedule_waiting(out, budget, limit=1):
+            if not self.running:
+                return  # it does not fit even alone: _fail_if_too_large covers that case
+            self._preempt(self.running[-1])
+            out.num_preempted += 1
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          only: Request | None = None) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_tokens <= 0:
+            if num_tokens <= 0 or (only is not None and request is not only):
                 i += 1
                 continue
             block_ids = self.kv.allocate(request, num_tokens)
             while block_ids is None:
-                victim = self.running[-1]
+                victim = self.running[-1] if self.running[-1] is not only else self.running[-2]
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is request:
@@ -122,19 +149,25 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and self.free_slots:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, limit: int | None = None) -> int:
+        """Admit waiting requests in order while they fit; returns how many were admitted."""
+        admitted = 0
+        while self.waiting and budget > 0 and self.free_slots and admitted != limit:
             request = self.waiting[0]
+            if request.is_suspect and limit is None:
+                break  # it will run alone, once it is at the head of the queue
             hit = self.kv.find_prefix(request) if self.kv.enable_prefix_caching else NO_HIT
             num_tokens = min(request.num_tokens - hit.num_tokens, budget)
             block_ids = self.kv.allocate(request, num_tokens, hit)
             if block_ids is None:
-                return
+                break
             self.waiting.popleft()
             request.admit(self.free_slots.pop(), hit.num_tokens)
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_tokens, block_ids, True, False))
             budget -= num_tokens
+            admitted += 1
+        return admitted
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -166,6 +199,7 @@ class Scheduler:
             if not s.samples:
                 continue
             produced.append((request, index))
+            request.is_suspect = False  # it got a token through
             reason = request.append_output(sampled_token_ids[index])
             if reason is not None:
                 self.finish(request, reason)

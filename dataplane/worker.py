@@ -46,15 +46,28 @@ def hello_for(runner: ModelRunner, model_info: ModelInfo) -> link_pb2.Hello:
         attention_backend=runner.backend.name)
 
 
-def _handle(runner: ModelRunner, message: link_pb2.LinkMessage) -> link_pb2.LinkMessage | None:
+class Handshake:
+    """The Ready of the current epoch, so a repeated Configure (the first answer was lost) is
+    answered again instead of wiping the KV cache mid-epoch."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.ready: link_pb2.Ready | None = None
+
+
+def _handle(runner: ModelRunner, message: link_pb2.LinkMessage, handshake: Handshake
+            ) -> link_pb2.LinkMessage | None:
     """Run one control message on this rank; rank 0 gets the reply to send back."""
     kind = message.WhichOneof("body")
     if kind == "configure":
-        num_blocks = runner.configure(message.configure)
-        log.info("configured for epoch %d: %d KV blocks of %d tokens", message.epoch, num_blocks,
-                 runner.config.block_size)
-        ready = link_pb2.Ready(num_kv_blocks=num_blocks, block_size=runner.config.block_size)
-        return link_pb2.LinkMessage(epoch=message.epoch, ready=ready)
+        if message.epoch != handshake.epoch:
+            num_blocks = runner.configure(message.configure)
+            log.info("configured for epoch %d: %d KV blocks of %d tokens", message.epoch,
+                     num_blocks, runner.config.block_size)
+            handshake.epoch = message.epoch
+            handshake.ready = link_pb2.Ready(num_kv_blocks=num_blocks,
+                                             block_size=runner.config.block_size)
+        return link_pb2.LinkMessage(epoch=message.epoch, ready=handshake.ready)
     if kind == "step":
         result = runner.execute(message.step)
         return None if result is None else link_pb2.LinkMessage(epoch=message.epoch, step_result=result)
@@ -69,6 +82,7 @@ def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: 
     link.start()
     log.info("data plane %s connecting to %s", link.instance_id, address)
     idle_tick = link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()).SerializeToString()
+    handshake = Handshake()
     try:
         while True:
             liveness.beat()
@@ -87,7 +101,7 @@ def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: 
             if message.WhichOneof("body") in ("configure", "step"):
                 broadcast_bytes(payload)
             try:
-                reply = _handle(runner, message)
+                reply = _handle(runner, message, handshake)
             except Exception as e:  # the device state may be broken: report, then exit
                 log.exception("step failed")
                 _report_failure(link, message, e)
@@ -112,6 +126,7 @@ def _report_failure(link: ControlPlaneLink, message: link_pb2.LinkMessage, error
 
 def run_follower(runner: ModelRunner, liveness: Liveness) -> None:
     """Ranks 1..N-1: run whatever rank 0 forwards until it says stop."""
+    handshake = Handshake()
     while True:
         liveness.beat()
         payload = broadcast_bytes(None)
@@ -122,4 +137,4 @@ def run_follower(runner: ModelRunner, liveness: Liveness) -> None:
             message.ParseFromString(payload)
         except DecodeError:
             raise RuntimeError("rank 0 forwarded a malformed message") from None
-        _handle(runner, message)
+        _handle(runner, message, handshake)

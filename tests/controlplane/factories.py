@@ -47,10 +47,19 @@ def fake_token(request: Request) -> int:
 def step(scheduler: Scheduler) -> SchedulerOutput:
     """Schedule one step, answer it like a data plane would, apply it; check invariants."""
     out = scheduler.schedule()
+    if any(s.request.is_suspect for s in out.scheduled):
+        assert len(out.scheduled) == 1, "a suspect runs alone"
     tokens = [fake_token(s.request) for s in out.scheduled if s.samples]
     scheduler.update(out, tokens)
     check(scheduler)
     return out
+
+
+def lose_dataplane(scheduler: Scheduler, num_blocks: int) -> None:
+    """What the engine does on a failed step: requeue everything, suspect the runners."""
+    for request in scheduler.preempt_all():
+        request.is_suspect = True
+    scheduler.reset_kv(KVCacheManager(num_blocks, BLOCK_SIZE, scheduler.config.enable_prefix_caching))
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 1000) -> int:

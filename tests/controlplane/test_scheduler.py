@@ -1,5 +1,6 @@
 from controlplane.request import FinishReason, RequestStatus
-from tests.controlplane.factories import check, make_request, make_scheduler, run_to_completion, step
+from tests.controlplane.factories import (check, lose_dataplane, make_request, make_scheduler,
+                                         run_to_completion, step)
 
 
 def summary(out):
@@ -114,3 +115,17 @@ def test_preempt_all_requeues_running_in_order_ahead_of_waiting():
     assert [r.request_id for r in lost] == ["a", "b"]
     assert [r.request_id for r in s.waiting] == ["a", "b", "c"]
     assert all(r.num_computed_tokens == 0 for r in reqs)
+
+
+def test_suspects_run_alone_until_they_sample_then_rejoin_the_batch():
+    s = make_scheduler()
+    reqs = [make_request(rid, [i] * 5, max_tokens=4) for i, rid in enumerate("abc")]
+    for r in reqs:
+        s.add(r)
+    step(s)
+    lose_dataplane(s, 16)
+    assert [r.is_suspect for r in reqs] == [True] * 3
+    assert summary(step(s)) == [("a", 6, [0, 1], True, True)]  # recompute prompt + 1 output
+    assert summary(step(s)) == [("b", 6, [2, 3], True, True)]  # a waits: b runs alone
+    assert summary(step(s)) == [("c", 6, [4, 5], True, True)]
+    assert [x.request.request_id for x in step(s).scheduled] == ["a", "b", "c"]

@@ -4,12 +4,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.request import FinishReason
-from tests.controlplane.factories import check, make_request, make_scheduler, run_to_completion, step
+from tests.controlplane.factories import (check, lose_dataplane, make_request, make_scheduler,
+                                         run_to_completion, step)
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 12), st.integers(0, 3)),
     st.tuples(st.just("step")),
     st.tuples(st.just("finish"), st.integers(0, 30)),
+    st.tuples(st.just("lose")),
 ), max_size=60)
 
 
@@ -30,6 +32,8 @@ def test_invariants_hold_under_any_sequence(ops, num_blocks, budget, max_num_seq
             s.add(request)
         elif op[0] == "step":
             step(s)
+        elif op[0] == "lose":
+            lose_dataplane(s, num_blocks)
         elif requests:
             s.finish(requests[op[1] % len(requests)], FinishReason.ABORTED)
         check(s)

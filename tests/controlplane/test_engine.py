@@ -1,0 +1,183 @@
+"""The engine loop against a fake data plane: losses, reattach, timeouts, poisonous requests,
+per-request faults, drain."""
+
+import asyncio
+
+import pytest
+
+from controlplane.dataplane_client import DataPlaneLost
+from controlplane.engine import Attachment, Engine, EngineConfig, NotAccepting
+from controlplane.request import FinishReason
+from controlplane.scheduler import SchedulerConfig
+from controlplane.tokenizer import Tokenizer
+from dataplane.checkpoints import build_tokenizer
+from tests.controlplane.factories import make_request
+from tests.controlplane.fake_dataplane import FakeDataPlane
+
+TOKENIZER = Tokenizer(build_tokenizer(320), 320)
+pytestmark = pytest.mark.timeout(30)
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    history = list(prompt)
+    for _ in range(n):
+        history.append((sum(history) * 31 + len(history)) % 97)
+    return history[len(prompt):]
+
+
+def run(body, config=EngineConfig(SchedulerConfig(max_num_seqs=4, max_model_len=64)), fake=None):
+    async def main():
+        dp = fake or FakeDataPlane()
+        dp.connect()
+        engine = Engine(config, TOKENIZER, dp)
+        task = asyncio.create_task(engine.run())
+        try:
+            return await asyncio.wait_for(body(engine, dp), 20)
+        finally:
+            task.cancel()
+    return asyncio.run(main())
+
+
+async def collect(stream):
+    return [chunk async for chunk in stream]
+
+
+async def until(predicate):
+    while not predicate():
+        await asyncio.sleep(0.001)
+
+
+def tokens_of(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+PROMPTS = {"a": [1, 2, 3, 4, 5], "b": [9, 8], "c": [7] * 11}
+
+
+def test_streams_complete_with_the_data_planes_tokens():
+    async def body(engine, dp):
+        streams = {rid: engine.add_request(make_request(rid, p, max_tokens=6))
+                   for rid, p in PROMPTS.items()}
+        return {rid: await collect(s) for rid, s in streams.items()}
+
+    results = run(body)
+    for rid, chunks in results.items():
+        assert tokens_of(chunks) == expected_tokens(PROMPTS[rid], 6)
+        assert chunks[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_lost_data_plane_is_replaced_and_streams_continue_identically():
+    async def body(engine, dp):
+        dp.fail_at_step = (5, DataPlaneLost("killed"))
+        streams = {rid: engine.add_request(make_request(rid, p, max_tokens=10))
+                   for rid, p in PROMPTS.items()}
+        await until(lambda: engine.attachment is Attachment.REATTACHING)
+        assert engine.load()[2] == 0  # the lost cache's blocks are gone with it
+        dp.connect()
+        results = {rid: await collect(s) for rid, s in streams.items()}
+        return results, engine.num_dataplane_losses, engine.load()
+
+    results, losses, load = run(body)
+    assert losses == 1 and load == (0, 0, 0, 64)
+    for rid, chunks in results.items():
+        assert tokens_of(chunks) == expected_tokens(PROMPTS[rid], 10)
+
+
+def test_no_data_plane_within_the_reattach_timeout_ends_requests_unavailable():
+    config = EngineConfig(SchedulerConfig(max_num_seqs=4, max_model_len=64), reattach_timeout_s=0.2)
+
+    async def body(engine, dp):
+        dp.fail_at_step = (3, DataPlaneLost("killed"))
+        stream = engine.add_request(make_request("a", [1, 2, 3], max_tokens=50))
+        await until(lambda: engine.attachment is Attachment.REATTACHING)
+        queued = engine.add_request(make_request("b", [4, 5], max_tokens=5))  # accepted meanwhile
+        chunks, queued_chunks = await collect(stream), await collect(queued)
+        with pytest.raises(NotAccepting):
+            engine.add_request(make_request("c", [1], max_tokens=1))
+        dp.connect()
+        await until(lambda: engine.attachment is Attachment.ATTACHED)
+        after = await collect(engine.add_request(make_request("d", [1], max_tokens=2)))
+        return chunks, queued_chunks, after
+
+    chunks, queued_chunks, after = run(body, config)
+    assert chunks[-1].finish_reason is FinishReason.UNAVAILABLE
+    assert queued_chunks[-1].finish_reason is FinishReason.UNAVAILABLE
+    assert after[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_request_in_repeatedly_failing_steps_fails_alone():
+    fake = FakeDataPlane()
+    fake.poison_token = 66
+
+    async def body(engine, dp):
+        good = engine.add_request(make_request("good", [1, 2], max_tokens=5))
+        poison = engine.add_request(make_request("poison", [66, 1], max_tokens=5))
+        other = engine.add_request(make_request("other", [3, 4, 5], max_tokens=5))
+
+        async def supervise():  # restarts the data plane whenever it dies
+            while True:
+                if not dp.is_attached:
+                    dp.connect()
+                await asyncio.sleep(0.001)
+        supervisor = asyncio.create_task(supervise())
+        try:
+            return (await collect(good), await collect(poison), await collect(other),
+                    engine.load(), engine.num_dataplane_losses)
+        finally:
+            supervisor.cancel()
+
+    good, poison, other, load, losses = run(body, fake=fake)
+    # the batch fails once; then 'poison' fails alone twice while its batch-mates run on
+    assert losses == 3
+    assert poison[-1].finish_reason is FinishReason.ERROR and tokens_of(poison) == []
+    assert tokens_of(good) == expected_tokens([1, 2], 5)
+    assert tokens_of(other) == expected_tokens([3, 4, 5], 5)
+    assert load[:3] == (0, 0, 0)
+
+
+def test_a_fault_while_processing_one_request_fails_only_that_request():
+    async def body(engine, dp):
+        healthy = engine.add_request(make_request("ok", [1, 2, 3], max_tokens=6))
+        broken = engine.add_request(make_request("broken", [4, 5, 6], max_tokens=6))
+
+        def explode(token_id):
+            raise UnicodeError("detokenizer bug")
+        broken.detokenizer.add = explode
+        return await collect(healthy), await collect(broken), engine.load()
+
+    healthy, broken, load = run(body)
+    assert broken[-1].finish_reason is FinishReason.ERROR
+    assert tokens_of(healthy) == expected_tokens([1, 2, 3], 6)
+    assert load[:3] == (0, 0, 0)
+
+
+def test_drain_lets_short_requests_finish_and_cuts_the_rest():
+    async def body(engine, dp):
+        short = engine.add_request(make_request("short", [1, 2], max_tokens=3))
+        long = engine.add_request(make_request("long", [3, 4], max_tokens=60))
+        original = dp.execute
+
+        async def slow(*args):  # long enough that 'long' cannot finish within the drain
+            await asyncio.sleep(0.01)
+            return await original(*args)
+        dp.execute = slow
+        cut = await engine.drain(0.2)
+        with pytest.raises(NotAccepting):
+            engine.add_request(make_request("late", [1], max_tokens=1))
+        return await collect(short), await collect(long), cut, engine.is_serving
+
+    short, long, cut, serving = run(body)
+    assert short[-1].finish_reason is FinishReason.LENGTH
+    assert long[-1].finish_reason is FinishReason.UNAVAILABLE
+    assert cut == 1 and not serving
+
+
+def test_an_idle_engine_notices_a_loss_at_once():
+    async def body(engine, dp):
+        await collect(engine.add_request(make_request("a", [1], max_tokens=2)))
+        dp.disconnect()
+        engine.on_link_change(False)
+        await until(lambda: engine.attachment is Attachment.REATTACHING)
+        return engine.num_dataplane_losses
+
+    assert run(body) == 1
