@@ -61,6 +61,7 @@ class LinkConfig:
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.5  # silence after which the peer is lost
     step_timeout_s: float = 120.0  # cap on the step deadline (see controlplane.deadline)
+    retransmit_s: float = 0.25  # a step unanswered this long is sent again (then 2x, 4x, ...)
     hello_retry_s: float = 1.0  # the data plane repeats Hello until it is configured
     # A data plane whose control plane went silent waits this long for one to come back, then
     # exits (its orchestrator restarts it).

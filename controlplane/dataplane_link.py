@@ -4,7 +4,8 @@ One data plane is attached at a time. Its Hello is checked (protocol, model), an
 Configure in a new epoch, and it is attached once it reports Ready. It is lost when its
 connection drops (seen at once through a socket monitor), when it goes silent for
 `heartbeat_timeout_s` (it heartbeats from an I/O thread, also during a step), when a step reply
-misses its deadline, or when it reports a failed step. Loss fails the step in flight with
+misses its deadline, or when it reports a failed step. A step whose reply is late is sent again
+(with backoff) before its deadline, so a lost message costs a retransmission, not a data plane. Loss fails the step in flight with
 DataPlaneLost, and the lost data plane is told to exit (a Reject in its epoch).
 """
 
@@ -56,6 +57,7 @@ class DataPlaneLink:
         self._attached = asyncio.Event()
         self._pending: dict[int, asyncio.Future] = {}
         self.num_dropped = 0  # malformed, replayed or stale messages
+        self.num_retransmits = 0
 
     @property
     def is_attached(self) -> bool:
@@ -101,16 +103,26 @@ class DataPlaneLink:
             raise DataPlaneLost("the data plane of this epoch is gone")
         future = asyncio.get_running_loop().create_future()
         self._pending[step.step_id] = future
+        deadline = time.monotonic() + timeout_s
+        retry_s = self.config.retransmit_s
         try:
-            try:
-                await self._send(peer, link_pb2.LinkMessage(step=step))
-            except DataPlaneLost:
-                future.cancel()  # _lose already failed it; nobody will await it now
-                raise
-            return await asyncio.wait_for(future, timeout_s)
-        except TimeoutError:
-            self._lose(f"step {step.step_id} got no reply within its {timeout_s:.1f}s deadline")
-            raise DataPlaneLost("step deadline passed") from None
+            while True:
+                try:
+                    await self._send(peer, link_pb2.LinkMessage(step=step))
+                except DataPlaneLost:
+                    future.cancel()  # _lose already failed it; nobody will await it now
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._lose(f"step {step.step_id} got no reply within its {timeout_s:.1f}s deadline")
+                    raise DataPlaneLost("step deadline passed")
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), min(retry_s, left))
+                except TimeoutError:
+                    # The step or its result may have been lost on the way: send it again (the
+                    # data plane runs a step once and answers repeats from its cache).
+                    self.num_retransmits += 1
+                    retry_s *= 2
         finally:
             self._pending.pop(step.step_id, None)
 

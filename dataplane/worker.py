@@ -46,30 +46,43 @@ def hello_for(runner: ModelRunner, model_info: ModelInfo) -> link_pb2.Hello:
         attention_backend=runner.backend.name)
 
 
-class Handshake:
-    """The Ready of the current epoch, so a repeated Configure (the first answer was lost) is
-    answered again instead of wiping the KV cache mid-epoch."""
+class EpochState:
+    """Answers to repeated requests of the current epoch: the control plane repeats Configure
+    and Step when an answer is late (lost on the way), and neither may run twice."""
 
     def __init__(self) -> None:
         self.epoch = 0
         self.ready: link_pb2.Ready | None = None
+        self.last_step_id = 0
+        self.last_result: link_pb2.StepResult | None = None
+
+    def is_repeat(self, message: link_pb2.LinkMessage) -> bool:
+        kind = message.WhichOneof("body")
+        return (kind == "configure" and message.epoch == self.epoch) or \
+            (kind == "step" and message.step.step_id <= self.last_step_id)
+
+    def repeat_answer(self, message: link_pb2.LinkMessage) -> link_pb2.LinkMessage | None:
+        if message.WhichOneof("body") == "configure":
+            return link_pb2.LinkMessage(epoch=message.epoch, ready=self.ready)
+        if message.step.step_id == self.last_step_id and self.last_result is not None:
+            return link_pb2.LinkMessage(epoch=message.epoch, step_result=self.last_result)
+        return None  # an older step: its answer was used already
 
 
-def _handle(runner: ModelRunner, message: link_pb2.LinkMessage, handshake: Handshake
+def _handle(runner: ModelRunner, message: link_pb2.LinkMessage, state: EpochState
             ) -> link_pb2.LinkMessage | None:
-    """Run one control message on this rank; rank 0 gets the reply to send back."""
+    """Run one new control message on this rank; rank 0 gets the reply to send back."""
     kind = message.WhichOneof("body")
     if kind == "configure":
-        if message.epoch != handshake.epoch:
-            num_blocks = runner.configure(message.configure)
-            log.info("configured for epoch %d: %d KV blocks of %d tokens", message.epoch,
-                     num_blocks, runner.config.block_size)
-            handshake.epoch = message.epoch
-            handshake.ready = link_pb2.Ready(num_kv_blocks=num_blocks,
-                                             block_size=runner.config.block_size)
-        return link_pb2.LinkMessage(epoch=message.epoch, ready=handshake.ready)
+        num_blocks = runner.configure(message.configure)
+        log.info("configured for epoch %d: %d KV blocks of %d tokens", message.epoch,
+                 num_blocks, runner.config.block_size)
+        state.epoch, state.last_step_id, state.last_result = message.epoch, 0, None
+        state.ready = link_pb2.Ready(num_kv_blocks=num_blocks, block_size=runner.config.block_size)
+        return link_pb2.LinkMessage(epoch=message.epoch, ready=state.ready)
     if kind == "step":
         result = runner.execute(message.step)
+        state.last_step_id, state.last_result = message.step.step_id, result
         return None if result is None else link_pb2.LinkMessage(epoch=message.epoch, step_result=result)
     if kind == "reject":
         log.error("the control plane refused this data plane: %s", message.reject.reason)
@@ -82,7 +95,7 @@ def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: 
     link.start()
     log.info("data plane %s connecting to %s", link.instance_id, address)
     idle_tick = link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()).SerializeToString()
-    handshake = Handshake()
+    state = EpochState()
     try:
         while True:
             liveness.beat()
@@ -98,10 +111,15 @@ def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: 
                 continue
             message = link_pb2.LinkMessage()
             message.ParseFromString(payload)  # the I/O thread already parsed it once
+            if state.is_repeat(message):  # answered from rank 0's cache, never re-run
+                reply = state.repeat_answer(message)
+                if reply is not None:
+                    link.send(reply)
+                continue
             if message.WhichOneof("body") in ("configure", "step"):
                 broadcast_bytes(payload)
             try:
-                reply = _handle(runner, message, handshake)
+                reply = _handle(runner, message, state)
             except Exception as e:  # the device state may be broken: report, then exit
                 log.exception("step failed")
                 _report_failure(link, message, e)
@@ -126,7 +144,7 @@ def _report_failure(link: ControlPlaneLink, message: link_pb2.LinkMessage, error
 
 def run_follower(runner: ModelRunner, liveness: Liveness) -> None:
     """Ranks 1..N-1: run whatever rank 0 forwards until it says stop."""
-    handshake = Handshake()
+    state = EpochState()
     while True:
         liveness.beat()
         payload = broadcast_bytes(None)
@@ -137,4 +155,4 @@ def run_follower(runner: ModelRunner, liveness: Liveness) -> None:
             message.ParseFromString(payload)
         except DecodeError:
             raise RuntimeError("rank 0 forwarded a malformed message") from None
-        _handle(runner, message, handshake)
+        _handle(runner, message, state)

@@ -13,14 +13,17 @@ def _model(path: str):
 
 
 def hf_greedy(model_dir: pathlib.Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding with transformers' model, EOS ignored (the requests set ignore_eos): the
-    argmax of a full forward pass per token, no KV cache involved."""
+    """Greedy decoding with transformers' model and its own KV cache, EOS ignored (the requests
+    set ignore_eos)."""
     model = _model(str(model_dir))
-    tokens = list(prompt)
+    out_tokens: list[int] = []
     with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
         for _ in range(max_new_tokens):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
+            out_tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[out_tokens[-1]]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+    return out_tokens
 
 
 def hf_logprobs(model_dir: pathlib.Path, tokens: list[int]) -> torch.Tensor:

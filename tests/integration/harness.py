@@ -99,3 +99,43 @@ def dataplane(model: pathlib.Path, tmp: pathlib.Path, link_address: str, *extra:
               name: str = "dataplane") -> Process:
     return Process(["dataplane", "--model", str(model), "--controlplane-address", link_address,
                     *extra], tmp / f"{name}.log")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from /proc), children first."""
+    parents: dict[int, list[int]] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":  # zombies are gone already, only not reaped
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out.extend(children)
+        todo.extend(children)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll `predicate` until true or `timeout_s` passes (for states that settle
+    asynchronously, such as a process exiting); returns the last result."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())

@@ -1,0 +1,268 @@
+"""Data-plane faults with real processes and real signals: no request lost, duplicated or hung,
+no KV block leaked, no process orphaned."""
+
+import concurrent.futures
+import datetime
+import os
+import re
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from protos import generation_pb2
+from tests.integration import harness
+from tests.integration.chaos_proxy import ChaosProxyProcess, Faults
+from tests.reference import hf_greedy
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPTS = [[5, 17, 99, 3, 250, 7, 81], [11, 2, 3], [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+           [42, 42, 42, 42, 42], list(range(60, 90))]
+MAX_TOKENS = 150
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return checkpoints["untied"]
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+
+
+class InFlight:
+    """Greedy streams in threads; `started` is set once every stream has some tokens."""
+
+    def __init__(self, client, prompts=PROMPTS, max_tokens=MAX_TOKENS, min_chunks=3) -> None:
+        self.results: list = [None] * len(prompts)
+        self._seen = [0] * len(prompts)
+        self.started = threading.Event()
+        self._min_chunks = min_chunks
+        self._pool = concurrent.futures.ThreadPoolExecutor(len(prompts))
+        self._futures = [self._pool.submit(self._run, client, i, p, max_tokens)
+                         for i, p in enumerate(prompts)]
+
+    def _run(self, client, i, prompt, max_tokens):
+        tokens, last = [], None
+        try:
+            for chunk in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0,
+                                                ignore_eos=True, timeout=120):
+                tokens.extend(chunk.token_ids)
+                last = chunk
+                self._seen[i] += 1
+                if min(self._seen) >= self._min_chunks:
+                    self.started.set()
+        except grpc.RpcError as e:
+            self.started.set()
+            return e.code().name, tokens
+        return generation_pb2.FinishReason.Name(last.finish_reason), tokens
+
+    def wait(self, timeout_s: float = 120):
+        results = [f.result(timeout_s) for f in self._futures]
+        self._pool.shutdown()
+        return results
+
+
+def log_time(line: str) -> float:
+    stamp = re.match(r"(\d+-\d+-\d+ \d+:\d+:\d+,\d+)", line).group(1)
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def first_log_after(log: str, pattern: str, after: float) -> float | None:
+    for line in log.splitlines():
+        if re.search(pattern, line) and re.match(r"\d{4}-", line) and log_time(line) >= after:
+            return log_time(line)
+    return None
+
+
+def dataplane_pid(server) -> int:
+    [launcher] = [p for p in harness.descendants(server.processes[0].popen.pid)
+                  if b"dataplane" in open(f"/proc/{p}/cmdline", "rb").read()
+                  and b"--rank" not in open(f"/proc/{p}/cmdline", "rb").read()][:1]
+    return launcher
+
+
+def assert_no_leak(server):
+    assert harness.wait_until(lambda: (lambda l: (l.num_running, l.num_waiting, l.kv_blocks_used)
+                                       == (0, 0, 0))(server.client.load()), 10)
+
+
+def test_kill_9_cycles_lose_nothing(model, expected, tmp_path):
+    server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "512")
+    figures = []
+    try:
+        for cycle in range(3):
+            flight = InFlight(server.client)
+            assert flight.started.wait(60)
+            killed_at = time.time()
+            os.kill(dataplane_pid(server), signal.SIGKILL)
+            results = flight.wait()
+            assert [r[0] for r in results] == ["FINISH_REASON_LENGTH"] * len(PROMPTS)
+            assert [r[1] for r in results] == expected, f"cycle {cycle}"
+            assert_no_leak(server)
+            log = server.log()
+            lost = first_log_after(log, r"data plane \w+ lost", killed_at)
+            ready = first_log_after(log, r"data plane \w+ ready", killed_at)
+            figures.append((lost - killed_at, ready - killed_at))
+        assert server.client.load().num_dataplane_losses == 3
+    finally:
+        server.stop()
+    print("\nkill -9 cycles: detect / recover seconds:",
+          [(round(d, 3), round(r, 2)) for d, r in figures])
+
+
+def test_kill_9_without_replacement_ends_streams_unavailable(model, tmp_path):
+    link = f"tcp://127.0.0.1:{harness.free_port()}"
+    server = harness.controlplane(model, tmp_path, link, "--reattach-timeout", "2")
+    dataplane = harness.dataplane(model, tmp_path, link, "--num-kv-blocks", "512")
+    server.processes.append(dataplane)
+    try:
+        server.wait_serving()
+        flight = InFlight(server.client, max_tokens=400)
+        assert flight.started.wait(60)
+        killed_at = time.monotonic()
+        dataplane.popen.send_signal(signal.SIGKILL)
+        results = flight.wait()
+        ended_after = time.monotonic() - killed_at
+        assert [r[0] for r in results] == ["UNAVAILABLE"] * len(PROMPTS)
+        assert not server.client.is_serving()
+        with pytest.raises(grpc.RpcError) as error:
+            server.client.generate([1, 2], max_tokens=2)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        # a data plane that comes back is used again
+        server.processes.append(harness.dataplane(model, tmp_path, link, "--num-kv-blocks", "512",
+                                                  name="dataplane2"))
+        server.wait_serving()
+        assert server.client.generate([1, 2], max_tokens=2).completion_tokens == 2
+    finally:
+        server.stop()
+    print(f"\nno replacement: streams ended UNAVAILABLE {ended_after:.2f}s after the kill "
+          "(--reattach-timeout 2)")
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 1)])
+def test_sigstop_of_a_rank_is_detected_and_recovered(model, expected, tmp_path, tp, rank):
+    server = harness.serve(model, tmp_path, "--tp", str(tp), "--block-size", "4",
+                           "--num-kv-blocks", "512", "--step-timeout", "30")
+    try:
+        launcher = dataplane_pid(server)
+        target = launcher if rank == 0 else harness.descendants(launcher)[0]
+        flight = InFlight(server.client, min_chunks=5)  # past the step deadline's warm-up
+        assert flight.started.wait(60)
+        stopped_at = time.time()
+        os.kill(target, signal.SIGSTOP)
+        results = flight.wait()
+        assert [r[1] for r in results] == expected
+        assert harness.wait_until(lambda: not harness.alive(target), 10), "the frozen rank lives on"
+        lost = first_log_after(server.log(), r"data plane \w+ lost", stopped_at)
+        reason = re.search(r"lost: (.*)", server.log()[server.log().index("lost:") - 80:]).group(1)
+    finally:
+        server.stop()
+    print(f"\nSIGSTOP rank {rank} of tp={tp}: detected after {lost - stopped_at:.2f}s ({reason})")
+
+
+def test_no_dataplane_process_outlives_a_killed_control_plane(model, tmp_path):
+    server = harness.serve(model, tmp_path, "--tp", "2", "--num-kv-blocks", "64")
+    serve_pid = server.processes[0].popen.pid
+    ranks = harness.descendants(serve_pid)
+    assert len(ranks) == 2
+    server.processes[0].popen.send_signal(signal.SIGKILL)
+    server.processes[0].popen.wait(10)
+    assert harness.wait_until(lambda: not any(harness.alive(p) for p in ranks), 5)
+    server.stop()
+
+
+def test_standalone_dataplane_exits_when_its_control_plane_is_gone(model, tmp_path):
+    link = f"tcp://127.0.0.1:{harness.free_port()}"
+    server = harness.controlplane(model, tmp_path, link)
+    dataplane = harness.dataplane(model, tmp_path, link, "--num-kv-blocks", "64",
+                                  "--controlplane-grace", "2")
+    server.processes.append(dataplane)
+    try:
+        server.wait_serving()
+        server.processes[0].popen.send_signal(signal.SIGKILL)
+        assert dataplane.popen.wait(15) == 3
+    finally:
+        server.stop()
+
+
+class Restarting:
+    """Keeps a standalone data plane running, as an orchestrator would."""
+
+    def __init__(self, model, tmp_path, link) -> None:
+        self.args = (model, tmp_path, link, "--num-kv-blocks", "512")
+        self.processes: list[harness.Process] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            process = harness.dataplane(*self.args, name=f"dataplane{len(self.processes)}")
+            self.processes.append(process)
+            while process.popen.poll() is None and not self._stop.is_set():
+                time.sleep(0.05)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(10)
+        for process in self.processes:
+            process.stop()
+
+
+def test_chaos_proxy_loses_and_duplicates_no_token(model, expected, tmp_path):
+    upstream = f"tcp://127.0.0.1:{harness.free_port()}"
+    listen = f"tcp://127.0.0.1:{harness.free_port()}"
+    faults = Faults(drop=0.01, duplicate=0.05, delay=0.05, max_delay_s=0.05, corrupt=0.01, seed=7)
+    server = harness.controlplane(model, tmp_path, upstream, "--reattach-timeout", "60")
+    with ChaosProxyProcess(listen, upstream, faults, tmp_path / "chaos.json") as proxy:
+        dataplanes = Restarting(model, tmp_path, listen)
+        try:
+            server.wait_serving()
+            results = InFlight(server.client, max_tokens=MAX_TOKENS).wait()
+            load = server.client.load()
+            counts = proxy.counts()
+        finally:
+            dataplanes.stop()
+            server.stop()
+    assert [r[1] for r in results] == expected
+    assert all(counts[k] > 0 for k in ("dropped", "duplicated", "delayed", "corrupted")), counts
+    print(f"\nchaos: {counts}, data-plane losses {load.num_dataplane_losses}, "
+          f"data planes started {len(dataplanes.processes)}")
+
+
+def test_sigterm_drains(model, tmp_path):
+    process = harness.Process(["serve", "--model", str(model), "--port", "0", "--num-kv-blocks",
+                               "512", "--drain-timeout", "30"], tmp_path / "serve.log")
+    port = int(process.wait_for_log(r"serving gRPC on [\d.]+:(\d+)").group(1))
+    server = harness.Server([process], port).wait_serving()
+    flight = InFlight(server.client, max_tokens=300)
+    assert flight.started.wait(60)
+    process.popen.send_signal(signal.SIGTERM)
+    assert harness.wait_until(lambda: not server.client.is_serving(), 2)
+    with pytest.raises(grpc.RpcError) as error:
+        server.client.generate([1, 2], max_tokens=2)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    results = flight.wait()
+    assert [r[0] for r in results] == ["FINISH_REASON_LENGTH"] * len(PROMPTS)
+    assert process.popen.wait(30) == 0
+    server.stop()
+
+
+def test_sigterm_with_zero_drain_timeout_ends_live_requests_unavailable(model, tmp_path):
+    process = harness.Process(["serve", "--model", str(model), "--port", "0", "--num-kv-blocks",
+                               "512", "--drain-timeout", "0"], tmp_path / "serve.log")
+    port = int(process.wait_for_log(r"serving gRPC on [\d.]+:(\d+)").group(1))
+    server = harness.Server([process], port).wait_serving()
+    flight = InFlight(server.client, max_tokens=400)
+    assert flight.started.wait(60)
+    process.popen.send_signal(signal.SIGTERM)
+    results = flight.wait()
+    assert {r[0] for r in results} <= {"UNAVAILABLE", "FINISH_REASON_LENGTH"}
+    assert "UNAVAILABLE" in {r[0] for r in results}
+    assert process.popen.wait(30) == 0
+    server.stop()
