@@ -24,10 +24,11 @@ _cpu_group: dist.ProcessGroup | None = None
 
 
 def init_distributed(config: ParallelConfig, timeout_s: float = 600.0) -> None:
-    """Join the TP group (a no-op for one rank). On CUDA, rank r uses device r."""
+    """Join the TP group (a no-op for one rank). On CUDA, rank r uses the host's device
+    r mod (devices visible): all ranks in one pod, or one rank per pod seeing one GPU."""
     global _cpu_group
     if config.device == "cuda":
-        torch.cuda.set_device(config.rank)
+        torch.cuda.set_device(config.rank % torch.cuda.device_count())
     if config.world_size == 1:
         return
     backend = "nccl" if config.device == "cuda" else "gloo"
