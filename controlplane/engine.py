@@ -13,6 +13,7 @@ while ATTACHED or REATTACHING and fail at once (UNAVAILABLE) while DETACHED or d
 """
 
 import asyncio
+import collections
 import enum
 import itertools
 import logging
@@ -45,10 +46,15 @@ class EngineConfig:
     # A request that was alone in this many steps that failed on the data plane fails
     # (INTERNAL), so one poisonous request cannot crash data planes forever.
     max_step_failures: int = 2
+    # Steps in flight at once: with 2, the next step is scheduled and sent while the data plane
+    # runs the current one, so neither side waits for the other (tokens still in flight are
+    # placeholders in the scheduler).
+    pipeline_depth: int = 2
 
     def __post_init__(self) -> None:
-        if self.reattach_timeout_s < 0 or self.max_step_failures < 1:
-            raise ValueError("need reattach_timeout_s >= 0 and max_step_failures >= 1")
+        if self.reattach_timeout_s < 0 or self.max_step_failures < 1 or self.pipeline_depth < 1:
+            raise ValueError("need reattach_timeout_s >= 0, max_step_failures >= 1, "
+                             "pipeline_depth >= 1")
 
 
 class NotAccepting(Exception):
@@ -89,6 +95,13 @@ class RequestStream:
                 return
 
 
+@dataclass
+class _InFlight:
+    out: SchedulerOutput
+    reply: asyncio.Task
+    started: float
+
+
 class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, dataplane: DataPlaneClient,
                  on_state_change=None) -> None:
@@ -108,7 +121,7 @@ class Engine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._step_ids = itertools.count(1)
-        self._in_flight: SchedulerOutput | None = None
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._reattach_timer: asyncio.Task | None = None
 
     # -- API -----------------------------------------------------------------------------------
@@ -199,10 +212,12 @@ class Engine:
     def _lose(self, error: DataPlaneLost) -> None:
         assert self.attachment is Attachment.ATTACHED
         self.num_dataplane_losses += 1
-        if error.step_failed and self._in_flight is not None:
-            self._blame(self._in_flight)
+        if error.step_failed and self._in_flight:
+            self._blame(self._in_flight[0].out)
+        for step in self._in_flight:
+            step.reply.cancel()
+        self._in_flight.clear()
         lost = self.scheduler.preempt_all()
-        self._in_flight = None
         log.warning("data plane lost (%s); %d running requests wait up to %.0fs for another",
                     error, len(lost), self.config.reattach_timeout_s)
         self.attachment = Attachment.REATTACHING
@@ -240,26 +255,37 @@ class Engine:
 
     async def _serve(self, epoch: int) -> None:
         while True:
-            if not self.dataplane.is_attached:
+            if not self._in_flight and not self.dataplane.is_attached:
+                # (with steps in flight, their replies say what happened, e.g. which one failed)
                 raise DataPlaneLost("the link reports the data plane gone")
-            out = self.scheduler.schedule() if self.scheduler.has_work else None
-            for request in out.failed if out else ():
-                log.error("request %s needs more KV blocks than the data plane has", request.request_id)
-                self._end(self.streams[request.request_id], Chunk(), FinishReason.ERROR)
-            if out is None or not (out.scheduled or out.freed_slots):
+            while len(self._in_flight) < self.config.pipeline_depth and self._launch(epoch):
+                pass
+            if not self._in_flight:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            self.num_preemptions += out.num_preempted
-            num_tokens = out.num_batched_tokens
-            self._in_flight = out
-            started = time.monotonic()
-            result = await self.dataplane.execute(encode_step(next(self._step_ids), out), epoch,
-                                                  self.deadline.timeout_for(num_tokens))
-            self.deadline.observe(num_tokens, time.monotonic() - started)
-            self._in_flight = None
-            self._process(out, result)
+            step = self._in_flight[0]
+            result = await step.reply
+            self._in_flight.popleft()
+            self.deadline.observe(step.out.num_batched_tokens, time.monotonic() - step.started)
+            self._process(step.out, result)
             await asyncio.sleep(0)  # let RPCs run between steps
+
+    def _launch(self, epoch: int) -> bool:
+        """Schedule a step and send it; False when there is nothing to send."""
+        out = self.scheduler.schedule() if self.scheduler.has_work else None
+        for request in out.failed if out else ():
+            log.error("request %s needs more KV blocks than the data plane has", request.request_id)
+            self._end(self.streams[request.request_id], Chunk(), FinishReason.ERROR)
+        if out is None or not (out.scheduled or out.freed_slots):
+            return False
+        self.num_preemptions += out.num_preempted
+        # A step waits behind the ones sent before it: its deadline covers them too.
+        num_tokens = out.num_batched_tokens + sum(s.out.num_batched_tokens for s in self._in_flight)
+        reply = asyncio.ensure_future(self.dataplane.execute(
+            encode_step(next(self._step_ids), out), epoch, self.deadline.timeout_for(num_tokens)))
+        self._in_flight.append(_InFlight(out, reply, time.monotonic()))
+        return True
 
     def _process(self, out: SchedulerOutput, result) -> None:
         tokens, logprobs = decode_result(result, out)

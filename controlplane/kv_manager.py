@@ -72,13 +72,16 @@ class KVCacheManager:
         return [b.block_id for b in added]
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose KV is computed, so others can share them."""
+        """Register the request's full blocks whose tokens are known and whose KV is computed or
+        being computed by a step already sent (steps run in order, so any step that could read
+        a cached block runs after it), so others can share them."""
         if not self.enable_prefix_caching:
             return
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        num_known = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_known // self.block_size, len(blocks))
         start = self.req_to_num_cached.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -41,6 +41,9 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV the data plane holds (or will, once
         # the step in flight returns)
+        # Tokens sampled in steps still in flight: counted when scheduling ahead, their values
+        # arrive with the steps' results.
+        self.num_pending_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -68,6 +71,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV is still to compute, counting tokens still in flight; 0 once every
+        token the request may get is accounted for."""
+        if self.num_output_tokens + self.num_pending_tokens >= self.sampling.max_tokens:
+            return 0
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
+
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         assert self.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), self.status
         self.status = RequestStatus.RUNNING
@@ -91,8 +102,11 @@ class Request:
         self.slot = None
 
     def append_output(self, token_id: int) -> FinishReason | None:
-        """Record a sampled token; returns why the request is done, if it is."""
-        assert self.status is RequestStatus.RUNNING, self.status
+        """Record a sampled token (one preempted while its step was in flight still gets it);
+        returns why the request is done, if it is."""
+        assert self.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED), self.status
+        assert self.num_pending_tokens > 0, "a token nobody scheduled"
+        self.num_pending_tokens -= 1
         self.token_ids.append(token_id)
         if self.num_output_tokens < self.sampling.min_tokens:
             return None

@@ -102,8 +102,10 @@ class Scheduler:
             if out.num_preempted == 0:
                 self._schedule_waiting(out, budget)
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
-            s.samples = s.request.num_computed_tokens == s.request.num_tokens
+            request = s.request
+            request.num_computed_tokens += s.num_tokens
+            s.samples = request.num_computed_tokens == request.num_tokens + request.num_pending_tokens
+            request.num_pending_tokens += s.samples
         out.freed_slots, self._freed_slots = self._freed_slots, []
         out.failed, self._failed = self._failed, []
         return out
@@ -132,7 +134,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = min(request.num_tokens_to_compute, budget)
             if num_tokens <= 0 or (only is not None and request is not only):
                 i += 1
                 continue
@@ -156,6 +158,8 @@ class Scheduler:
             request = self.waiting[0]
             if request.is_suspect and limit is None:
                 break  # it will run alone, once it is at the head of the queue
+            if request.num_pending_tokens:
+                break  # preempted with a step in flight: back once that token is known
             hit = self.kv.find_prefix(request) if self.kv.enable_prefix_caching else NO_HIT
             num_tokens = min(request.num_tokens - hit.num_tokens, budget)
             block_ids = self.kv.allocate(request, num_tokens, hit)
@@ -193,9 +197,10 @@ class Scheduler:
         for s in out.scheduled:
             index += s.samples
             request = s.request
-            if request.is_finished:  # aborted while the step was in flight
+            if request.is_finished:  # ended while the step was in flight
                 continue
-            self.kv.cache_computed_blocks(request)
+            if request.status is RequestStatus.RUNNING:
+                self.kv.cache_computed_blocks(request)
             if not s.samples:
                 continue
             produced.append((request, index))
@@ -220,10 +225,13 @@ class Scheduler:
 
     def preempt_all(self) -> list[Request]:
         """After a data-plane loss: every running request goes back to waiting, ahead of the
-        queue and in its order, to be recomputed. Returns them."""
+        queue and in its order, to be recomputed; tokens of steps in flight will never come.
+        Returns them."""
         lost = list(self.running)
         for request in reversed(lost):
             self._preempt(request)
+        for request in self.waiting:
+            request.num_pending_tokens = 0
         self._freed_slots = []
         return lost
 

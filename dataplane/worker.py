@@ -1,6 +1,7 @@
 """The rank processes. Rank 0 talks to the control plane and forwards every Configure and Step to
 the other ranks (raw protobuf bytes over the CPU group); every rank then runs the same step."""
 
+import collections
 import logging
 import pathlib
 import time
@@ -48,13 +49,23 @@ def hello_for(runner: ModelRunner, model_info: ModelInfo) -> link_pb2.Hello:
 
 class EpochState:
     """Answers to repeated requests of the current epoch: the control plane repeats Configure
-    and Step when an answer is late (lost on the way), and neither may run twice."""
+    and Step when an answer is late (lost on the way), and neither may run twice. The last few
+    results are kept, since the control plane may have several steps in flight."""
+
+    _KEEP = 8
 
     def __init__(self) -> None:
         self.epoch = 0
         self.ready: link_pb2.Ready | None = None
         self.last_step_id = 0
-        self.last_result: link_pb2.StepResult | None = None
+        self.results: collections.OrderedDict[int, link_pb2.StepResult] = collections.OrderedDict()
+
+    def record(self, step_id: int, result: link_pb2.StepResult | None) -> None:
+        self.last_step_id = step_id
+        if result is not None:
+            self.results[step_id] = result
+            while len(self.results) > self._KEEP:
+                self.results.popitem(last=False)
 
     def is_repeat(self, message: link_pb2.LinkMessage) -> bool:
         kind = message.WhichOneof("body")
@@ -64,9 +75,10 @@ class EpochState:
     def repeat_answer(self, message: link_pb2.LinkMessage) -> link_pb2.LinkMessage | None:
         if message.WhichOneof("body") == "configure":
             return link_pb2.LinkMessage(epoch=message.epoch, ready=self.ready)
-        if message.step.step_id == self.last_step_id and self.last_result is not None:
-            return link_pb2.LinkMessage(epoch=message.epoch, step_result=self.last_result)
-        return None  # an older step: its answer was used already
+        result = self.results.get(message.step.step_id)
+        if result is None:
+            return None  # too old: its answer was used long ago
+        return link_pb2.LinkMessage(epoch=message.epoch, step_result=result)
 
 
 def _handle(runner: ModelRunner, message: link_pb2.LinkMessage, state: EpochState
@@ -77,12 +89,13 @@ def _handle(runner: ModelRunner, message: link_pb2.LinkMessage, state: EpochStat
         num_blocks = runner.configure(message.configure)
         log.info("configured for epoch %d: %d KV blocks of %d tokens", message.epoch,
                  num_blocks, runner.config.block_size)
-        state.epoch, state.last_step_id, state.last_result = message.epoch, 0, None
+        state.epoch, state.last_step_id = message.epoch, 0
+        state.results.clear()
         state.ready = link_pb2.Ready(num_kv_blocks=num_blocks, block_size=runner.config.block_size)
         return link_pb2.LinkMessage(epoch=message.epoch, ready=state.ready)
     if kind == "step":
         result = runner.execute(message.step)
-        state.last_step_id, state.last_result = message.step.step_id, result
+        state.record(message.step.step_id, result)
         return None if result is None else link_pb2.LinkMessage(epoch=message.epoch, step_result=result)
     if kind == "reject":
         log.error("the control plane refused this data plane: %s", message.reject.reason)

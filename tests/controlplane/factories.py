@@ -44,14 +44,26 @@ def fake_token(request: Request) -> int:
     return (sum(request.token_ids) * 31 + request.num_tokens) % 97
 
 
-def step(scheduler: Scheduler) -> SchedulerOutput:
-    """Schedule one step, answer it like a data plane would, apply it; check invariants."""
+def launch(scheduler: Scheduler) -> SchedulerOutput:
+    """Schedule one step (its result comes later, see land)."""
     out = scheduler.schedule()
     if any(s.request.is_suspect for s in out.scheduled):
         assert len(out.scheduled) == 1, "a suspect runs alone"
+    check(scheduler)
+    return out
+
+
+def land(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    """Answer a step like a data plane would and apply the result."""
     tokens = [fake_token(s.request) for s in out.scheduled if s.samples]
     scheduler.update(out, tokens)
     check(scheduler)
+
+
+def step(scheduler: Scheduler) -> SchedulerOutput:
+    """Schedule one step, answer it, apply it; check invariants."""
+    out = launch(scheduler)
+    land(scheduler, out)
     return out
 
 

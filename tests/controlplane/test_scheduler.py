@@ -1,6 +1,6 @@
 from controlplane.request import FinishReason, RequestStatus
-from tests.controlplane.factories import (check, lose_dataplane, make_request, make_scheduler,
-                                         run_to_completion, step)
+from tests.controlplane.factories import (check, land, launch, lose_dataplane, make_request,
+                                         make_scheduler, run_to_completion, step)
 
 
 def summary(out):
@@ -129,3 +129,26 @@ def test_suspects_run_alone_until_they_sample_then_rejoin_the_batch():
     assert summary(step(s)) == [("b", 6, [2, 3], True, True)]  # a waits: b runs alone
     assert summary(step(s)) == [("c", 6, [4, 5], True, True)]
     assert [x.request.request_id for x in step(s).scheduled] == ["a", "b", "c"]
+
+
+def test_two_steps_in_flight_give_the_same_outputs_as_one():
+    """Scheduling a step before the previous one's tokens are known (placeholders) changes
+    nothing in the outputs, also with preemption and with stop ids ending requests early."""
+    def outputs(depth, num_blocks):
+        s = make_scheduler(num_blocks=num_blocks)
+        reqs = [make_request(rid, [i + 1] * (3 + 2 * i), max_tokens=9 + i, stop_token_ids=(13,))
+                for i, rid in enumerate("abcd")]
+        for r in reqs:
+            s.add(r)
+        in_flight = []
+        for _ in range(200):
+            while len(in_flight) < depth and s.num_unfinished:
+                in_flight.append(launch(s))
+            if not in_flight:
+                break
+            land(s, in_flight.pop(0))
+        return [(r.output_token_ids, r.finish_reason) for r in reqs], s.kv.num_used_blocks
+
+    assert outputs(2, 32) == outputs(1, 32)
+    assert outputs(2, 10) == outputs(1, 32)  # with preemptions
+    assert outputs(2, 10)[1] == 0

@@ -4,14 +4,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.request import FinishReason
-from tests.controlplane.factories import (check, lose_dataplane, make_request, make_scheduler,
-                                         run_to_completion, step)
+from tests.controlplane.factories import (check, land, launch, lose_dataplane, make_request,
+                                         make_scheduler, run_to_completion, step)
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 12), st.integers(0, 3)),
     st.tuples(st.just("step")),
     st.tuples(st.just("finish"), st.integers(0, 30)),
     st.tuples(st.just("lose")),
+    st.tuples(st.just("launch")),  # schedule ahead: up to two steps in flight
+    st.tuples(st.just("land")),
 ), max_size=60)
 
 
@@ -22,6 +24,7 @@ def test_invariants_hold_under_any_sequence(ops, num_blocks, budget, max_num_seq
     s = make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=budget, max_model_len=40, prefix_caching=prefix_caching)
     requests = []
+    in_flight = []
     for op in ops:
         if op[0] == "add":
             _, prompt_len, max_tokens, family = op
@@ -31,12 +34,21 @@ def test_invariants_hold_under_any_sequence(ops, num_blocks, budget, max_num_seq
             requests.append(request)
             s.add(request)
         elif op[0] == "step":
+            while in_flight:
+                land(s, in_flight.pop(0))
             step(s)
+        elif op[0] == "launch" and len(in_flight) < 2:
+            in_flight.append(launch(s))
+        elif op[0] == "land" and in_flight:
+            land(s, in_flight.pop(0))
         elif op[0] == "lose":
+            in_flight.clear()  # their results never come
             lose_dataplane(s, num_blocks)
-        elif requests:
+        elif op[0] == "finish" and requests:
             s.finish(requests[op[1] % len(requests)], FinishReason.ABORTED)
         check(s)
+    while in_flight:
+        land(s, in_flight.pop(0))
     run_to_completion(s)
     assert s.kv.num_used_blocks == 0
     assert sorted(s.free_slots) == list(range(max_num_seqs))
