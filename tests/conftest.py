@@ -29,3 +29,20 @@ def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
     }
     return {name: write_random_qwen3(root / name, spec, **kwargs)
             for name, (spec, kwargs) in specs.items()}
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """Small seeded random Qwen3-MoE checkpoints (8 experts, top-2) written by transformers."""
+    from dataplane.checkpoints import TinyQwen3Moe, write_random_qwen3_moe
+    root = tmp_path_factory.mktemp("moe_checkpoints")
+    specs = {
+        # layer 1 dense (mlp_only_layers), top-k weights renormalized; one tensor per expert (hub)
+        "moe": (TinyQwen3Moe(mlp_only_layers=(1,)), {}),
+        # every second layer sparse (decoder_sparse_step), raw softmax weights, tied embeddings;
+        # experts stacked as transformers 5 holds them
+        "moe_step2": (TinyQwen3Moe(num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False,
+                                   tie_word_embeddings=True), {"seed": 1, "stacked_experts": True}),
+    }
+    return {name: write_random_qwen3_moe(root / name, spec, **kwargs)
+            for name, (spec, kwargs) in specs.items()}

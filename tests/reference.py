@@ -8,8 +8,8 @@ import torch
 
 @functools.lru_cache(maxsize=4)
 def _model(path: str):
-    from transformers import Qwen3ForCausalLM
-    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def hf_greedy(model_dir: pathlib.Path, prompt: list[int], max_new_tokens: int) -> list[int]:

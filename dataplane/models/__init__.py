@@ -9,4 +9,8 @@ def model_class(config: PretrainedConfig) -> type[nn.Module]:
     if architecture == "Qwen3ForCausalLM":
         from dataplane.models.qwen3 import Qwen3ForCausalLM
         return Qwen3ForCausalLM
-    raise ValueError(f"unsupported architecture {architecture!r} (supported: Qwen3ForCausalLM)")
+    if architecture == "Qwen3MoeForCausalLM":
+        from dataplane.models.qwen3_moe import Qwen3MoeForCausalLM
+        return Qwen3MoeForCausalLM
+    raise ValueError(f"unsupported architecture {architecture!r} "
+                     "(supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM)")

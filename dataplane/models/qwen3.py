@@ -4,6 +4,8 @@ Per rank: q/k/v and gate/up are column-parallel (heads and the intermediate size
 ranks), o_proj and down_proj row-parallel (one all-reduce each); the hidden state is replicated.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -72,10 +74,10 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config)
-        self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = mlp if mlp is not None else Qwen3MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -90,12 +92,16 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+# Builds the MLP of layer i, or None for the dense one (Qwen3-MoE's sparse layers).
+LayerMLP = Callable[[int], nn.Module | None]
+
+
 class Qwen3Model(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, layer_mlp: LayerMLP | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, layer_mlp(i) if layer_mlp else None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -116,9 +122,9 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, layer_mlp: LayerMLP | None = None) -> None:
         super().__init__()
-        self.model = Qwen3Model(config)
+        self.model = Qwen3Model(config, layer_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,4 +1,5 @@
-"""TP=2 over gloo, two real processes: logits equal transformers' (and so TP=1's)."""
+"""TP=2 over gloo, two real processes: logits equal transformers' (and so TP=1's), for the dense
+model and for Qwen3-MoE (each expert's intermediate dim split over the ranks, router replicated)."""
 
 import socket
 import subprocess
@@ -6,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from common.wire import unpack_i32
 from tests.dataplane import tp_worker
@@ -23,7 +24,17 @@ def _free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["untied", "odd_vocab"])
 def test_tp2_logits_match_transformers(checkpoints, tmp_path, name):
-    path, out = checkpoints[name], tmp_path / "logits.pt"
+    check_tp2_logits(checkpoints[name], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["moe", "moe_step2"])  # experts one tensor each / stacked
+def test_tp2_moe_logits_match_transformers(moe_checkpoints, tmp_path, name):
+    check_tp2_logits(moe_checkpoints[name], tmp_path)
+
+
+def check_tp2_logits(path, tmp_path):
+    out = tmp_path / "logits.pt"
     init = f"tcp://127.0.0.1:{_free_port()}"
     ranks = [subprocess.Popen([sys.executable, "-m", "tests.dataplane.tp_worker", str(path),
                                str(rank), "2", init, str(out)]) for rank in range(2)]
@@ -34,7 +45,7 @@ def test_tp2_logits_match_transformers(checkpoints, tmp_path, name):
             p.kill()
     assert codes == [0, 0]
     got = torch.load(out)
-    hf = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
         ref = [hf(torch.tensor([p])).logits[0, -1] for p in tp_worker.PROMPTS]
     torch.testing.assert_close(got["prefill"][0], ref[0], atol=ATOL, rtol=0)
