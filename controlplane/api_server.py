@@ -1,5 +1,6 @@
 """The gRPC servicer: translates protos to engine calls and back; decides nothing itself."""
 
+import time
 import uuid
 
 import grpc
@@ -138,4 +139,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.Load(num_running=running, num_waiting=waiting,
                                    kv_blocks_used=used, kv_blocks_total=total,
                                    num_preemptions=self.engine.num_preemptions,
-                                   num_dataplane_losses=self.engine.num_dataplane_losses)
+                                   num_dataplane_losses=self.engine.num_dataplane_losses,
+                                   num_steps=self.engine.num_steps,
+                                   link_bytes_sent=getattr(self.engine.dataplane, "bytes_sent", 0),
+                                   link_bytes_received=getattr(self.engine.dataplane,
+                                                               "bytes_received", 0),
+                                   control_plane_cpu_seconds=time.process_time())

@@ -58,6 +58,8 @@ class DataPlaneLink:
         self._pending: dict[int, asyncio.Future] = {}
         self.num_dropped = 0  # malformed, replayed or stale messages
         self.num_retransmits = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     @property
     def is_attached(self) -> bool:
@@ -131,8 +133,10 @@ class DataPlaneLink:
     async def _send(self, peer: _Peer, message: link_pb2.LinkMessage) -> None:
         self._seq += 1
         message.seq, message.epoch = self._seq, peer.epoch
+        frames = framing.encode(message)
+        self.bytes_sent += len(frames[0])
         try:
-            await self._sock.send_multipart([peer.identity, *framing.encode(message)])
+            await self._sock.send_multipart([peer.identity, *frames])
         except zmq.ZMQError as e:  # EHOSTUNREACH: the peer's connection is gone
             self._lose(f"send failed: {e}")
             raise DataPlaneLost(str(e)) from None
@@ -199,6 +203,7 @@ class DataPlaneLink:
     async def _reader(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
+            self.bytes_received += sum(len(f) for f in frames[1:2])
             message = self._accept(frames)
             if message is not None:
                 await self._dispatch(frames[0], message)

@@ -117,6 +117,7 @@ class Engine:
         self.deadline = StepDeadline(cap_s=config.step_timeout_cap_s)
         self.num_preemptions = 0
         self.num_dataplane_losses = 0
+        self.num_steps = 0
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -267,6 +268,7 @@ class Engine:
             step = self._in_flight[0]
             result = await step.reply
             self._in_flight.popleft()
+            self.num_steps += 1
             self.deadline.observe(step.out.num_batched_tokens, time.monotonic() - step.started)
             self._process(step.out, result)
             await asyncio.sleep(0)  # let RPCs run between steps

@@ -97,6 +97,32 @@ def write_random_qwen3(path: str | pathlib.Path, spec: TinyQwen3 = TinyQwen3(), 
     return path
 
 
+# Real shapes, for benchmarks with random weights (`--load-format dummy`).
+QWEN3_0_6B = TinyQwen3(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+                       rope_theta=1000000.0)
+QWEN3_8B = TinyQwen3(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
+                     rope_theta=1000000.0)
+
+
+def write_config_only(path: str | pathlib.Path, config, dtype: torch.dtype = torch.bfloat16,
+                      tokenizer_vocab_size: int = 1024) -> pathlib.Path:
+    """A model directory without weights (config, generation config, tokenizer): enough for
+    `--load-format dummy`, at any size."""
+    from transformers import GenerationConfig
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config.dtype = dtype
+    config.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=config.eos_token_id).save_pretrained(str(path))
+    write_tokenizer(path, min(tokenizer_vocab_size, config.vocab_size))
+    return path
+
+
 def write_default_model(path: pathlib.Path) -> None:
     """Write DEFAULT_MODEL to `path` atomically (a half-written directory is never seen)."""
     import os

@@ -16,7 +16,8 @@ class ForwardContext:
     """One batch of requests, each with `query_lens[i]` new tokens after `context_lens[i]` cached.
 
     Tensors live on the model's device; `*_host` lists mirror them for backends that loop on the
-    host (the torch reference backend).
+    host (the torch reference backend). Captured CUDA graphs have no host lists (None): only
+    backends that read nothing back on the host run inside them.
     """
 
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32: cumulative query lengths
@@ -26,12 +27,12 @@ class ForwardContext:
     logits_indices: torch.Tensor  # [num_logits] int64: rows of the hidden state to project
     max_query_len: int
     max_seq_len: int
-    query_start_loc_host: list[int]
-    seq_lens_host: list[int]
+    query_start_loc_host: list[int] | None
+    seq_lens_host: list[int] | None
 
     @property
     def num_reqs(self) -> int:
-        return len(self.seq_lens_host)
+        return self.seq_lens.shape[0]
 
     @property
     def is_decode_only(self) -> bool:

@@ -30,8 +30,15 @@ def resolve_dtype(name: str, config: PretrainedConfig) -> torch.dtype:
     return DTYPES[name]
 
 
+LOAD_FORMATS = ("safetensors", "dummy")
+
+
 def load_model(model_dir: str | pathlib.Path, config: PretrainedConfig, dtype: torch.dtype,
-               device: torch.device) -> nn.Module:
+               device: torch.device, load_format: str = "safetensors") -> nn.Module:
+    """`dummy` fills the weights with random values instead of reading them (benchmarks: speed
+    does not depend on the values, and no checkpoint of that size needs to exist)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format {load_format!r}: choose from {', '.join(LOAD_FORMATS)}")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -39,8 +46,23 @@ def load_model(model_dir: str | pathlib.Path, config: PretrainedConfig, dtype: t
             model = model_class(config)(config)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, pathlib.Path(model_dir))
+    if load_format == "dummy":
+        fill_random(model)
+    else:
+        load_weights(model, pathlib.Path(model_dir))
     return model.eval()
+
+
+@torch.no_grad()
+def fill_random(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Uniform weights of that std (norms around 1), like transformers' init, on the device."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    half_width = std * 3 ** 0.5
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.uniform_(-half_width, half_width, generator=generator)
 
 
 def load_weights(model: nn.Module, model_dir: pathlib.Path) -> None:
@@ -58,10 +80,24 @@ def load_weights(model: nn.Module, model_dir: pathlib.Path) -> None:
     missing = {n for n, p in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {sorted(missing)[:8]}")
+    for name, module in model.named_modules():  # layers that fill a parameter from many tensors
+        lacking = module.missing_weights() if hasattr(module, "missing_weights") else []
+        if lacking:
+            raise ValueError(f"checkpoint {model_dir} lacks weights for {name}: {lacking[:8]}")
 
 
 def _load_one(model: nn.Module, params: dict[str, nn.Parameter], name: str, tensor) -> str | None:
-    """Route one checkpoint tensor to its parameter; returns the parameter's name."""
+    """Route one checkpoint tensor to its parameter; returns the parameter's name.
+
+    A model may define `checkpoint_route(name) -> (parameter name, weight_loader args) | None`
+    for tensors that fill part of a parameter other than by `packed_modules_mapping` (MoE
+    experts stacked into one tensor); it is asked first."""
+    route = getattr(model, "checkpoint_route", None)
+    routed = route(name) if route is not None else None
+    if routed is not None:
+        target, loader_args = routed
+        params[target].weight_loader(params[target], tensor, *loader_args)
+        return target
     for checkpoint_part, (fused_part, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
         if f".{checkpoint_part}." in name:
             target = name.replace(f".{checkpoint_part}.", f".{fused_part}.")

@@ -1,4 +1,9 @@
-"""Runs steps: applies a Step's deltas to the slot state, runs the model, samples on rank 0."""
+"""Runs steps: applies a Step's deltas to the slot state, runs the model, samples on rank 0.
+
+`submit` launches a step's device work and returns at once; `finish` waits for its tokens. Rank 0
+submits step N+1 before finishing step N whenever the control plane has sent it, so the device
+always has the next step queued while the host packs and sends the previous result.
+"""
 
 import pathlib
 import time
@@ -10,11 +15,12 @@ from transformers import PretrainedConfig
 from common.wire import pack_f32, pack_i32
 from dataplane import kv_cache
 from dataplane.attention import AttentionBackend, make_backend
+from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.distributed import broadcast_from_rank0, tp_rank
-from dataplane.forward_context import forward_context
+from dataplane.forward_context import ForwardContext, forward_context
 from dataplane.input_batch import BatchLimits, InputBatch
 from dataplane.loader import load_config, load_model, resolve_dtype
-from dataplane.sampler import SamplerOutput, sample
+from dataplane.sampler import SamplerOutput, SamplingBatch, Uses, sample
 from protos import link_pb2
 
 
@@ -24,9 +30,12 @@ class RunnerConfig:
     device: str = "cpu"
     dtype: str = "auto"
     attention_backend: str = "auto"
-    block_size: int = 16
+    block_size: int = 16  # unless the attention backend needs another
     num_kv_blocks: int | None = None  # a cap on the KV cache, for small-memory runs and tests
     cpu_kv_cache_gib: float = 1.0  # KV cache budget on CPU
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the data plane may hold
+    enforce_eager: bool = False  # no CUDA graphs
+    load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -35,6 +44,25 @@ class RunnerConfig:
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, not {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not "
+                             f"{self.gpu_memory_utilization}")
+
+
+@dataclass
+class PendingStep:
+    """A submitted step whose tokens are still on their way to the host."""
+
+    step_id: int
+    started: float
+    submitted: float
+    sampled_slots: torch.Tensor  # host
+    out: SamplerOutput | None  # rank 0
+    host_tokens: torch.Tensor | None  # host copy being filled
+    done: torch.cuda.Event | None
+
+    def is_done(self) -> bool:
+        return self.done is None or self.done.query()
 
 
 class ModelRunner:
@@ -46,8 +74,10 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.backend = backend
+        self.block_size = backend.block_size or config.block_size
         self.batch: InputBatch | None = None
         self.kv: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
 
     @classmethod
     def load(cls, config: RunnerConfig) -> "ModelRunner":
@@ -55,7 +85,7 @@ class ModelRunner:
         dtype = resolve_dtype(config.dtype, hf_config)
         device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" \
             else torch.device("cpu")
-        model = load_model(config.model_dir, hf_config, dtype, device)
+        model = load_model(config.model_dir, hf_config, dtype, device, config.load_format)
         return cls(config, hf_config, model, dtype, device,
                    make_backend(config.attention_backend, config.device))
 
@@ -63,58 +93,146 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    # -- set-up --------------------------------------------------------------------------------
+
     def configure(self, limits: link_pb2.Configure) -> int:
-        """Allocate the KV cache and slot tables for these limits; returns the number of blocks."""
+        """Size and allocate the KV cache and slot tables for these limits, capture the decode
+        graphs; returns the number of KV blocks."""
+        self.kv = self.graphs = self.batch = None  # free the previous epoch's memory first
+        batch_limits = BatchLimits(limits.max_num_seqs, limits.max_model_len,
+                                   limits.max_num_batched_tokens, self.block_size, self.vocab_size)
         layers = self.model.attention_layers()
-        per_block = kv_cache.bytes_per_block(layers, self.config.block_size, self.dtype)
-        budget = int(self.config.cpu_kv_cache_gib * (1 << 30))
-        num_blocks = kv_cache.num_blocks_for(budget, per_block, self.config.num_kv_blocks)
-        self.kv = None  # free the old cache before allocating a new one
-        self.kv = kv_cache.allocate_kv_cache(layers, num_blocks, self.config.block_size,
-                                             self.dtype, self.device, self.backend)
-        self.batch = InputBatch(BatchLimits(limits.max_num_seqs, limits.max_model_len,
-                                            self.config.block_size, self.vocab_size), self.device)
+        per_block = kv_cache.bytes_per_block(layers, self.block_size, self.dtype)
+        num_blocks = kv_cache.num_blocks_for(self._kv_budget(batch_limits), per_block,
+                                             self.config.num_kv_blocks)
+        self.kv = kv_cache.allocate_kv_cache(layers, num_blocks, self.block_size, self.dtype,
+                                             self.device, self.backend)
+        self.batch = InputBatch(batch_limits, self.device)
+        if self.device.type == "cuda" and not self.config.enforce_eager and \
+                self.backend.name != "torch":
+            self.graphs = DecodeGraphs(self.model, limits.max_num_seqs,
+                                       batch_limits.max_blocks_per_seq, limits.max_model_len,
+                                       self.device)
+            self.graphs.capture()
         return num_blocks
+
+    def _kv_budget(self, limits: BatchLimits) -> int:
+        """Bytes for the KV cache. On CUDA: the configured share of the device, less what is in
+        use (weights, context) and the peak of a worst-case step (a full prefill plus sampling
+        max_num_seqs rows with every sampling feature), measured by running one."""
+        if self.device.type == "cpu":
+            return int(self.config.cpu_kv_cache_gib * (1 << 30))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        self._profile_step(limits)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        graphs_and_slack = 512 << 20
+        return int(total * self.config.gpu_memory_utilization - (total - free) - peak
+                   - graphs_and_slack)
+
+    @torch.inference_mode()
+    def _profile_step(self, limits: BatchLimits) -> None:
+        num_tokens = limits.max_num_batched_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        layers = self.model.attention_layers()
+        kv_cache.allocate_kv_cache(layers, num_blocks, self.block_size, self.dtype, self.device,
+                                   self.backend)
+        arange = lambda n: torch.arange(n, device=self.device)  # noqa: E731
+        rows = min(limits.max_num_seqs, num_tokens)
+        ctx = ForwardContext(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            slot_mapping=arange(num_tokens), block_tables=arange(num_blocks).int()[None],
+            logits_indices=arange(rows), max_query_len=num_tokens, max_seq_len=num_tokens,
+            query_start_loc_host=[0, num_tokens], seq_lens_host=[num_tokens])
+        with forward_context(ctx):
+            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                                arange(num_tokens))
+            logits = self.model.compute_logits(hidden)
+        if logits is not None:
+            ones = torch.ones(rows, device=self.device)
+            sample(logits, SamplingBatch(
+                temperature=ones, top_k=ones.long() * 50, top_p=ones * 0.9, min_p=ones * 0.1,
+                presence_penalty=ones, frequency_penalty=ones, repetition_penalty=ones * 1.1,
+                seeds=[None] * rows, output_index=[0] * rows,
+                output_counts=torch.zeros_like(logits, dtype=torch.float32),
+                prompt_mask=torch.zeros_like(logits, dtype=torch.bool), suppress_mask=None,
+                max_logprobs=20, uses=Uses()))
+        for layer in layers:
+            layer.bind_kv_cache(torch.empty(0), torch.empty(0), self.backend)
+
+    # -- steps ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, step: link_pb2.Step) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Apply the step's deltas and run the model. Returns the logits of the requests that
-        reached the end of their tokens (on rank 0; None elsewhere) and their slots."""
+        reached the end of their tokens (on rank 0; None elsewhere) and their slots (host)."""
         assert self.batch is not None, "configure() before the first step"
         slots, num_computed, num_scheduled = self.batch.apply(step)
         if len(slots) == 0:
             return None, slots
         inputs = self.batch.prepare(slots, num_computed, num_scheduled)
+        if self.graphs is not None and self.graphs.fits(inputs):
+            return self.graphs.run(inputs), inputs.sampled_slots
         with forward_context(inputs.context):
             hidden = self.model(inputs.token_ids, inputs.positions)
             logits = self.model.compute_logits(hidden)
         return logits, inputs.sampled_slots
 
     @torch.inference_mode()
-    def execute(self, step: link_pb2.Step) -> link_pb2.StepResult | None:
-        """Run one step on every rank; rank 0 samples and returns the result."""
-        start = time.perf_counter()
+    def submit(self, step: link_pb2.Step) -> PendingStep:
+        """Launch the step on every rank: forward, sampling on rank 0, sampled tokens to every
+        rank's token table and (rank 0) on their way to the host."""
+        started = time.perf_counter()
         logits, sampled_slots = self.forward(step)
-        forward_done = time.perf_counter()
-        out = None
+        out, host_tokens, done = None, None, None
         token_ids = torch.empty(len(sampled_slots), dtype=torch.int64, device=self.device)
         if len(sampled_slots):
             if tp_rank() == 0:
                 out = sample(logits, self.batch.sampling_batch(sampled_slots))
                 token_ids = out.token_ids
             broadcast_from_rank0(token_ids)
-            self.batch.append_sampled(sampled_slots, token_ids.cpu())
+            self.batch.append_sampled(sampled_slots, token_ids)
+            if tp_rank() == 0:
+                host_tokens, done = self._to_host(token_ids)
+        return PendingStep(step.step_id, started, time.perf_counter(), sampled_slots, out,
+                           host_tokens, done)
+
+    def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if self.device.type == "cpu":
+            return token_ids, None
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def finish(self, pending: PendingStep) -> link_pb2.StepResult | None:
+        """Wait for a submitted step's tokens; rank 0 returns the result."""
         if tp_rank() != 0:
             return None
+        if pending.done is not None:
+            pending.done.synchronize()
         done = time.perf_counter()
-        timings = link_pb2.Timings(forward_ms=1e3 * (forward_done - start),
-                                   sample_ms=1e3 * (done - forward_done), total_ms=1e3 * (done - start))
-        return _result(step.step_id, token_ids, out, self.batch, sampled_slots, timings)
+        timings = link_pb2.Timings(forward_ms=1e3 * (pending.submitted - pending.started),
+                                   sample_ms=1e3 * (done - pending.submitted),
+                                   total_ms=1e3 * (done - pending.started))
+        tokens = pending.host_tokens.tolist() if pending.host_tokens is not None else []
+        return _result(pending.step_id, tokens, pending.out, self.batch, pending.sampled_slots,
+                       timings)
+
+    def execute(self, step: link_pb2.Step) -> link_pb2.StepResult | None:
+        return self.finish(self.submit(step))
 
 
-def _result(step_id: int, token_ids: torch.Tensor, out: SamplerOutput | None, batch: InputBatch,
+def _result(step_id: int, token_ids: list[int], out: SamplerOutput | None, batch: InputBatch,
             sampled_slots: torch.Tensor, timings: link_pb2.Timings) -> link_pb2.StepResult:
-    result = link_pb2.StepResult(step_id=step_id, sampled_token_ids=pack_i32(token_ids.tolist()),
+    result = link_pb2.StepResult(step_id=step_id, sampled_token_ids=pack_i32(token_ids),
                                  timings=timings)
     if out is None or out.logprobs is None:
         return result

@@ -1,6 +1,10 @@
 """Batched sampling on rank 0: penalties, min_tokens, temperature, top-k, top-p, min-p, seeds and
 logprobs, vectorized over the batch (the only per-row loop draws noise for seeded rows).
 
+Which transformations run is decided from host-side flags (`SamplingBatch.uses`), computed from
+the per-request parameters the data plane keeps on the CPU, so sampling never waits for the
+device to answer a question like "does any row use top-k?".
+
 Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p. A seeded row
 draws its q from a generator seeded by (seed, output index), so its tokens depend on its own seed
 and logits only, not on the rest of the batch, nor on how many times it was recomputed.
@@ -11,6 +15,23 @@ from dataclasses import dataclass
 import torch
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the generator's seed space
+
+
+@dataclass(frozen=True)
+class Uses:
+    """Which transformations any row needs (host-side, so no device sync decides it)."""
+
+    all_greedy: bool = False
+    top_k: bool = True
+    top_p: bool = True
+    min_p: bool = True
+
+    @classmethod
+    def of(cls, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           min_p: torch.Tensor) -> "Uses":
+        """From CPU tensors of the rows' parameters."""
+        return cls(all_greedy=bool((temperature == 0).all()), top_k=bool((top_k > 0).any()),
+                   top_p=bool((top_p < 1).any()), min_p=bool((min_p > 0).any()))
 
 
 @dataclass
@@ -33,6 +54,7 @@ class SamplingBatch:
     # min_tokens: [rows, vocab] True where a token must not be sampled yet; None when no row needs it.
     suppress_mask: torch.Tensor | None
     max_logprobs: int  # the largest N asked for among the rows; -1 when none asked
+    uses: Uses = Uses()  # the default checks everything (correct, and fine for tests)
 
 
 @dataclass
@@ -74,9 +96,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
-    is_greedy = batch.temperature == 0
-    if bool(is_greedy.all()):
+    if batch.uses.all_greedy:
         return greedy
+    is_greedy = batch.temperature == 0
     probs = sampling_probs(logits, batch)
     random = (probs / _exponential_noise(probs, batch)).argmax(dim=-1)
     return torch.where(is_greedy, greedy, random)
@@ -93,8 +115,7 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Mask tokens outside top-k, outside the top-p nucleus, or below min_p * max prob."""
     vocab = logits.shape[-1]
-    use_top_k = bool((batch.top_k > 0).any())
-    use_top_p = bool((batch.top_p < 1).any())
+    use_top_k, use_top_p = batch.uses.top_k, batch.uses.top_p
     if use_top_k or use_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
         drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
@@ -107,7 +128,7 @@ def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             drop |= mass_before >= batch.top_p.unsqueeze(1)
         drop[:, 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-    if bool((batch.min_p > 0).any()):
+    if batch.uses.min_p:
         probs = torch.softmax(logits, dim=-1)
         threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))

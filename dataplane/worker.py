@@ -12,7 +12,7 @@ from common.transport import PROTOCOL_VERSION, LinkConfig
 from common.model_info import ModelInfo
 from dataplane.distributed import broadcast_bytes, tp_size
 from dataplane.link import LOST, ControlPlaneLink
-from dataplane.model_runner import ModelRunner
+from dataplane.model_runner import ModelRunner, PendingStep
 from protos import link_pb2
 
 log = logging.getLogger("splitserve.dataplane")
@@ -43,7 +43,7 @@ def hello_for(runner: ModelRunner, model_info: ModelInfo) -> link_pb2.Hello:
         protocol_version=PROTOCOL_VERSION, model_name=model_info.name,
         model_fingerprint=model_info.fingerprint, tp_size=tp_size(),
         dtype=str(runner.dtype).removeprefix("torch."), device=runner.config.device,
-        block_size=runner.config.block_size, vocab_size=runner.vocab_size,
+        block_size=runner.block_size, vocab_size=runner.vocab_size,
         attention_backend=runner.backend.name)
 
 
@@ -61,7 +61,6 @@ class EpochState:
         self.results: collections.OrderedDict[int, link_pb2.StepResult] = collections.OrderedDict()
 
     def record(self, step_id: int, result: link_pb2.StepResult | None) -> None:
-        self.last_step_id = step_id
         if result is not None:
             self.results[step_id] = result
             while len(self.results) > self._KEEP:
@@ -81,25 +80,86 @@ class EpochState:
         return link_pb2.LinkMessage(epoch=message.epoch, step_result=result)
 
 
-def _handle(runner: ModelRunner, message: link_pb2.LinkMessage, state: EpochState
-            ) -> link_pb2.LinkMessage | None:
-    """Run one new control message on this rank; rank 0 gets the reply to send back."""
-    kind = message.WhichOneof("body")
-    if kind == "configure":
-        num_blocks = runner.configure(message.configure)
-        log.info("configured for epoch %d: %d KV blocks of %d tokens", message.epoch,
-                 num_blocks, runner.config.block_size)
-        state.epoch, state.last_step_id = message.epoch, 0
-        state.results.clear()
-        state.ready = link_pb2.Ready(num_kv_blocks=num_blocks, block_size=runner.config.block_size)
-        return link_pb2.LinkMessage(epoch=message.epoch, ready=state.ready)
-    if kind == "step":
-        result = runner.execute(message.step)
-        state.record(message.step.step_id, result)
-        return None if result is None else link_pb2.LinkMessage(epoch=message.epoch, step_result=result)
-    if kind == "reject":
-        log.error("the control plane refused this data plane: %s", message.reject.reason)
-    return None
+def _configure(runner: ModelRunner, message: link_pb2.LinkMessage, state: EpochState
+               ) -> link_pb2.LinkMessage:
+    num_blocks = runner.configure(message.configure)
+    log.info("configured for epoch %d: %d KV blocks of %d tokens", message.epoch, num_blocks,
+             runner.block_size)
+    state.epoch, state.last_step_id = message.epoch, 0
+    state.results.clear()
+    state.ready = link_pb2.Ready(num_kv_blocks=num_blocks, block_size=runner.block_size)
+    return link_pb2.LinkMessage(epoch=message.epoch, ready=state.ready)
+
+
+class Rank0:
+    """Rank 0's loop: relays control messages to the other ranks and runs them. While the
+    device works on a step, it keeps reading the link and submits the next step as soon as it
+    arrives, so the device never waits for the host between steps."""
+
+    def __init__(self, runner: ModelRunner, link: ControlPlaneLink, liveness: Liveness) -> None:
+        self.runner = runner
+        self.link = link
+        self.liveness = liveness
+        self.state = EpochState()
+        self.pending: collections.deque[tuple[link_pb2.LinkMessage, PendingStep]] = collections.deque()
+        self._idle_tick = link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()).SerializeToString()
+
+    def run(self) -> None:
+        while True:
+            self.liveness.beat()
+            if self.pending:
+                self._finish_oldest()
+                continue
+            received = self.link.recv(timeout_s=_IDLE_TICK_S)
+            if received is not None:
+                self._on_received(*received)
+            elif tp_size() > 1:
+                broadcast_bytes(self._idle_tick)
+
+    def _on_received(self, kind: bytes, payload: bytes) -> None:
+        if kind == LOST:
+            log.warning("control plane silent; waiting for a new one")
+            return
+        message = link_pb2.LinkMessage()
+        message.ParseFromString(payload)  # the I/O thread already parsed it once
+        if self.state.is_repeat(message):  # answered from rank 0's cache, never re-run
+            reply = self.state.repeat_answer(message)
+            if reply is not None:
+                self.link.send(reply)
+            return
+        body = message.WhichOneof("body")
+        if body == "configure":
+            while self.pending:  # the previous epoch's steps end first
+                self._finish_oldest()
+            broadcast_bytes(payload)
+            self.link.send(_configure(self.runner, message, self.state))
+        elif body == "step":
+            broadcast_bytes(payload)
+            self.state.last_step_id = message.step.step_id
+            try:
+                self.pending.append((message, self.runner.submit(message.step)))
+            except Exception as e:  # the device state may be broken: report, then exit
+                log.exception("step failed")
+                _report_failure(self.link, message, e)
+                raise
+        elif body == "reject":
+            log.error("the control plane refused this data plane: %s", message.reject.reason)
+
+    def _finish_oldest(self) -> None:
+        message, pending = self.pending[0]
+        while not pending.is_done():  # meanwhile, take in (and submit) the next steps
+            received = self.link.recv(timeout_s=0.001)
+            if received is not None:
+                self._on_received(*received)
+        self.pending.popleft()
+        try:
+            result = self.runner.finish(pending)
+        except Exception as e:
+            log.exception("step failed")
+            _report_failure(self.link, message, e)
+            raise
+        self.state.record(message.step.step_id, result)
+        self.link.send(link_pb2.LinkMessage(epoch=message.epoch, step_result=result))
 
 
 def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: LinkConfig,
@@ -107,38 +167,8 @@ def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: 
     link = ControlPlaneLink(address, hello_for(runner, model_info), config)
     link.start()
     log.info("data plane %s connecting to %s", link.instance_id, address)
-    idle_tick = link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()).SerializeToString()
-    state = EpochState()
     try:
-        while True:
-            liveness.beat()
-            received = link.recv(timeout_s=_IDLE_TICK_S)
-            if received is None:
-                if tp_size() > 1:
-                    broadcast_bytes(idle_tick)
-                continue
-            kind, payload = received
-            if kind == LOST:
-                log.warning("control plane silent for %.1fs; waiting for a new one",
-                            config.heartbeat_timeout_s)
-                continue
-            message = link_pb2.LinkMessage()
-            message.ParseFromString(payload)  # the I/O thread already parsed it once
-            if state.is_repeat(message):  # answered from rank 0's cache, never re-run
-                reply = state.repeat_answer(message)
-                if reply is not None:
-                    link.send(reply)
-                continue
-            if message.WhichOneof("body") in ("configure", "step"):
-                broadcast_bytes(payload)
-            try:
-                reply = _handle(runner, message, state)
-            except Exception as e:  # the device state may be broken: report, then exit
-                log.exception("step failed")
-                _report_failure(link, message, e)
-                raise
-            if reply is not None:
-                link.send(reply)
+        Rank0(runner, link, liveness).run()
     except KeyboardInterrupt:
         if tp_size() > 1:  # a clean stop: release the followers (after a failure they may be stuck)
             broadcast_bytes(_STOP)
@@ -156,7 +186,8 @@ def _report_failure(link: ControlPlaneLink, message: link_pb2.LinkMessage, error
 
 
 def run_follower(runner: ModelRunner, liveness: Liveness) -> None:
-    """Ranks 1..N-1: run whatever rank 0 forwards until it says stop."""
+    """Ranks 1..N-1: run whatever rank 0 forwards until it says stop. They submit steps and
+    never wait on them: the collectives keep them in step with rank 0."""
     state = EpochState()
     while True:
         liveness.beat()
@@ -168,4 +199,8 @@ def run_follower(runner: ModelRunner, liveness: Liveness) -> None:
             message.ParseFromString(payload)
         except DecodeError:
             raise RuntimeError("rank 0 forwarded a malformed message") from None
-        _handle(runner, message, state)
+        body = message.WhichOneof("body")
+        if body == "configure":
+            _configure(runner, message, state)
+        elif body == "step":
+            runner.submit(message.step)

@@ -173,17 +173,25 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_preemptions", "num_dataplane_losses")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_preemptions", "num_dataplane_losses", "num_steps", "link_bytes_sent", "link_bytes_received", "control_plane_cpu_seconds")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_DATAPLANE_LOSSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LINK_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    LINK_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_PLANE_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
     num_preemptions: int
     num_dataplane_losses: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_dataplane_losses: _Optional[int] = ...) -> None: ...
+    num_steps: int
+    link_bytes_sent: int
+    link_bytes_received: int
+    control_plane_cpu_seconds: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_dataplane_losses: _Optional[int] = ..., num_steps: _Optional[int] = ..., link_bytes_sent: _Optional[int] = ..., link_bytes_received: _Optional[int] = ..., control_plane_cpu_seconds: _Optional[float] = ...) -> None: ...

@@ -73,8 +73,16 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                    help="cap on the number of KV blocks (small-memory runs, tests)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0,
                    help="KV cache budget per rank on CPU, GiB (default %(default)s)")
-    p.add_argument("--attention-backend", choices=("auto", "torch"), default="auto",
-                   help="auto: torch on CPU (default %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of each GPU's memory the data plane may hold; the KV cache gets "
+                        "what weights and a profiled worst-case step leave (default %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps")
+    p.add_argument("--load-format", choices=("safetensors", "dummy"), default="safetensors",
+                   help="dummy: random weights instead of the checkpoint's (benchmarks; the "
+                        "model directory then needs only config.json and tokenizer.json)")
+    p.add_argument("--attention-backend", choices=("auto", "torch", "triton", "flash_attn"),
+                   default="auto", help="auto: torch on CPU, triton on CUDA (default %(default)s)")
 
 
 def _add_client(p: argparse.ArgumentParser) -> None:
@@ -232,7 +240,10 @@ def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str)
     argv = ["--model", str(model), "--controlplane-address", address, "--device", args.device,
             "--tp", str(args.tp), "--dtype", args.dtype, "--block-size", str(args.block_size),
             "--kv-cache-gib", str(args.kv_cache_gib), "--attention-backend", args.attention_backend,
-            "--log-level", args.log_level]
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--load-format",
+            args.load_format, "--log-level", args.log_level]
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     return argv
@@ -269,7 +280,9 @@ def _dataplane(args: argparse.Namespace, argv: list[str]) -> None:
     from dataplane.model_runner import RunnerConfig
     runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
                           attention_backend=args.attention_backend, block_size=args.block_size,
-                          num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.kv_cache_gib)
+                          num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.kv_cache_gib,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          enforce_eager=args.enforce_eager, load_format=args.load_format)
     config = DataPlaneConfig(runner=runner, controlplane_address=args.controlplane_address,
                              tp=args.tp, rank=args.rank, dist_init_method=args.dist_init_method,
                              parent_pid=args.parent_pid, liveness_file=args.liveness_file,

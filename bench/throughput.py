@@ -1,0 +1,221 @@
+"""Workload A (DESIGN.md): 256 requests, prompts of uniform [100, 1024] random token ids,
+outputs of uniform [100, 1024] tokens, temperature 0.6, EOS ignored, seed 0, on random weights
+at real shapes, in two modes:
+
+  inprocess  the engine and the model runner in this process (splitserve.llm.LLM)
+  split      `splitserve serve` as processes, every request sent at once through gRPC
+
+It measures the device's copy bandwidth in the same run and the workload's bandwidth roofline
+(bytes every decode step must read: the weights once plus every cached token's K and V), and
+writes one JSON per mode to --out-dir with output tokens/s, the fraction of the roofline, the
+split/in-process ratio, bytes per step over ZeroMQ and the control plane's CPU time per step.
+
+    python bench/throughput.py --model qwen3-0.6b --modes inprocess split --out-dir bench/results
+"""
+
+import argparse
+import asyncio
+import json
+import pathlib
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dataplane import checkpoints  # noqa: E402
+from dataplane.models import model_class  # noqa: E402
+
+
+def shapes(name: str):
+    if name == "qwen3-0.6b":
+        return checkpoints.hf_config(checkpoints.QWEN3_0_6B)
+    if name == "qwen3-8b":
+        return checkpoints.hf_config(checkpoints.QWEN3_8B)
+    if name == "qwen3-30b-a3b":
+        return checkpoints.hf_moe_config(checkpoints.QWEN3_30B_A3B)
+    raise SystemExit(f"unknown model {name}")
+
+
+def workload(num_requests: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
+               for _ in range(num_requests)]
+    return prompts, [rng.randint(100, 1024) for _ in range(num_requests)]
+
+
+def weight_bytes(config, dtype_bytes: int = 2) -> int:
+    """Every parameter once (a tied embedding once: the LM head reads it whole; the embedding
+    lookup reads only the step's rows). MoE: every expert, as a large batch touches them all."""
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    return sum(p.numel() for p in model.parameters()) * dtype_bytes
+
+
+def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
+
+
+def roofline(config, prompts, outputs, bandwidth: float, max_num_seqs: int) -> dict:
+    """The ideal schedule: all requests decode together (they fit max_num_seqs); decode step i
+    reads the weights once and the K/V of every cached token of every request still going."""
+    assert len(prompts) <= max_num_seqs
+    weights, per_token = weight_bytes(config), kv_bytes_per_token(config)
+    lengths = [(len(p), o) for p, o in zip(prompts, outputs)]
+    total = 0
+    for i in range(max(outputs)):
+        cached = sum(p + i for p, o in lengths if o > i)
+        total += weights + cached * per_token
+    seconds = total / bandwidth
+    return {"roofline_seconds": seconds, "roofline_tok_per_s": sum(outputs) / seconds,
+            "bytes_read": total, "weight_bytes": weights, "kv_bytes_per_token": per_token}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy, reads plus writes, median of 10."""
+    x = torch.empty(1 << 30, dtype=torch.float32, device="cuda").uniform_()
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * (4 << 30) / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def run_inprocess(model_dir, prompts, outputs, args) -> dict:
+    from splitserve.llm import LLM
+    llm = LLM(model_dir, device="cuda", load_format="dummy", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    llm.generate([[1, 2, 3, 4]] * 8, max_tokens=16, ignore_eos=True)  # warm-up
+    steps_before = llm.engine.num_steps
+    cpu_before = time.process_time()
+    start = time.perf_counter()
+    done = llm.generate(prompts, [{"max_tokens": o} for o in outputs], temperature=0.6,
+                        ignore_eos=True)
+    seconds = time.perf_counter() - start
+    steps = llm.engine.num_steps - steps_before
+    info = llm.dataplane.info
+    llm.close()
+    return {"seconds": seconds, "output_tokens": sum(c.completion_tokens for c in done),
+            "num_steps": steps, "process_cpu_ms_per_step": 1e3 * (time.process_time() - cpu_before) / steps,
+            "num_kv_blocks": info.num_kv_blocks, "attention_backend": info.attention_backend}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_split(model_dir, prompts, outputs, args) -> dict:
+    from splitserve.client import AsyncClient, Client
+    port = _free_port()
+    log = open(args.out_dir / f"serve-{args.model}.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "splitserve", "serve", "--model", str(model_dir), "--device", "cuda",
+         "--load-format", "dummy", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len",
+         str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+         "--attention-backend", args.attention_backend, "--tp", str(args.tp),
+         "--max-waiting-requests", "4096", "--step-timeout", "600"]
+        + (["--enforce-eager"] if args.enforce_eager else []), cwd=ROOT, stdout=log, stderr=log)
+    address = f"127.0.0.1:{port}"
+    try:
+        with Client(address) as client:
+            if not client.wait_until_serving(600):
+                raise RuntimeError(f"server not serving; see {log.name}")
+            client.generate([1, 2, 3, 4], max_tokens=16, ignore_eos=True)  # warm-up
+            before = client.load()
+
+        async def send_all():
+            async with AsyncClient(address) as client:
+                return await asyncio.gather(*(
+                    client.generate(p, max_tokens=o, temperature=0.6, ignore_eos=True)
+                    for p, o in zip(prompts, outputs)))
+        start = time.perf_counter()
+        done = asyncio.run(send_all())
+        seconds = time.perf_counter() - start
+        with Client(address) as client:
+            after = client.load()
+            info = client.model_info()
+    finally:
+        server.terminate()
+        server.wait(60)
+    steps = after.num_steps - before.num_steps
+    return {"seconds": seconds, "output_tokens": sum(c.completion_tokens for c in done),
+            "num_steps": steps, "tp": info.tp_size,
+            "bytes_per_step_sent": (after.link_bytes_sent - before.link_bytes_sent) / steps,
+            "bytes_per_step_received": (after.link_bytes_received - before.link_bytes_received) / steps,
+            "control_plane_cpu_ms_per_step":
+                1e3 * (after.control_plane_cpu_seconds - before.control_plane_cpu_seconds) / steps,
+            "num_kv_blocks": after.kv_blocks_total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b",
+                        choices=("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"))
+    parser.add_argument("--modes", nargs="+", default=["inprocess", "split"],
+                        choices=("inprocess", "split"))
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="split mode only")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    config = shapes(args.model)
+    model_dir = checkpoints.write_config_only(pathlib.Path(tempfile.mkdtemp()) / args.model, config)
+    prompts, outputs = workload(args.num_requests, args.seed)
+    bandwidth = copy_bandwidth()
+    ideal = roofline(config, prompts, outputs, bandwidth, args.max_num_seqs)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    results = {}
+    for mode in args.modes:
+        run = run_inprocess if mode == "inprocess" else run_split
+        measured = run(model_dir, prompts, outputs, args)
+        tok_per_s = measured["output_tokens"] / measured["seconds"]
+        results[mode] = {
+            "device": torch.cuda.get_device_name(), "commit": commit, "workload": "A",
+            "model": args.model, "mode": mode, **measured, "output_tok_per_s": tok_per_s,
+            "roofline_tok_per_s": ideal["roofline_tok_per_s"],
+            "fraction_of_roofline": tok_per_s / ideal["roofline_tok_per_s"],
+            "copy_bandwidth_GBps": bandwidth / 1e9, "roofline": ideal,
+            "config": {k: v for k, v in vars(args).items() if k != "out_dir"}}
+        print(f"{args.model} {mode}: {measured['output_tokens']} tokens in {measured['seconds']:.2f}s"
+              f" = {tok_per_s:.0f} tok/s, {tok_per_s / ideal['roofline_tok_per_s']:.1%} of the "
+              f"roofline ({ideal['roofline_tok_per_s']:.0f} tok/s at {bandwidth / 1e9:.0f} GB/s)",
+              flush=True)
+    if "inprocess" in results and "split" in results:
+        ratio = results["split"]["output_tok_per_s"] / results["inprocess"]["output_tok_per_s"]
+        results["split"]["split_over_inprocess"] = ratio
+        print(f"split / in-process: {ratio:.3f}")
+    for mode, result in results.items():
+        name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}".lower())
+        (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The engine and the model runner in one process, without ZeroMQ or gRPC: an offline API in
+the spirit of nano-vllm's `LLM.generate`, and the baseline that measures the cost of the split.
+
+    llm = LLM("/models/Qwen3-0.6B", device="cuda")
+    for completion in llm.generate(["Hello", [1, 2, 3]], max_tokens=32, temperature=0.6):
+        print(completion.text)
+
+The same Engine drives the same ModelRunner as in `splitserve serve`; only the transport is
+gone (single rank: tensor parallelism needs the rank processes of the data plane).
+"""
+
+import asyncio
+import pathlib
+import uuid
+from collections.abc import Sequence
+
+from common.model_info import ModelInfo
+from controlplane.dataplane_client import DataPlaneInfo
+from controlplane.engine import Engine, EngineConfig
+from controlplane.request import Request
+from controlplane.scheduler import SchedulerConfig
+from controlplane.tokenizer import Tokenizer
+from controlplane.validation import Limits, sampling_params, validate_prompt
+from dataplane.model_runner import ModelRunner, RunnerConfig
+from protos import generation_pb2, link_pb2
+from splitserve.client import Completion, build_request
+
+
+class InProcessDataPlane:
+    """A DataPlaneClient over a ModelRunner in this process. A step is submitted at once (the
+    device queues it behind the previous one) and awaited in a thread, so the engine keeps
+    scheduling while the device works, as with a remote data plane."""
+
+    def __init__(self, runner: ModelRunner, limits: link_pb2.Configure) -> None:
+        self.runner = runner
+        self.limits = limits
+        self.info: DataPlaneInfo | None = None
+
+    @property
+    def is_attached(self) -> bool:
+        return self.info is not None
+
+    async def attach(self) -> DataPlaneInfo:
+        if self.info is None:
+            num_blocks = self.runner.configure(self.limits)
+            r = self.runner
+            self.info = DataPlaneInfo(epoch=1, instance_id="in-process", num_kv_blocks=num_blocks,
+                                      block_size=r.block_size, tp_size=1,
+                                      dtype=str(r.dtype).removeprefix("torch."),
+                                      device=r.config.device, attention_backend=r.backend.name)
+        return self.info
+
+    async def execute(self, step: link_pb2.Step, epoch: int, timeout_s: float) -> link_pb2.StepResult:
+        pending = self.runner.submit(step)
+        if not pending.is_done():
+            await asyncio.to_thread(pending.done.synchronize)
+        return self.runner.finish(pending)
+
+
+class LLM:
+    def __init__(self, model: str | pathlib.Path, *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, **runner_options) -> None:
+        """`runner_options`: RunnerConfig's fields (device, dtype, block_size,
+        gpu_memory_utilization, enforce_eager, attention_backend, load_format, ...)."""
+        self.model = ModelInfo.from_dir(model)
+        max_model_len = max_model_len or self.model.max_position_embeddings
+        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
+                                                enable_prefix_caching)
+        self.runner = ModelRunner.load(RunnerConfig(model_dir=pathlib.Path(model), **runner_options))
+        self.dataplane = InProcessDataPlane(self.runner, link_pb2.Configure(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, max_logprobs=20))
+        self.tokenizer = Tokenizer.from_dir(model, self.model.vocab_size)
+        self.engine: Engine | None = None
+        self.loop = asyncio.new_event_loop()
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 per_prompt: Sequence[dict] | None = None, **sampling) -> list[Completion]:
+        """Complete every prompt (all at once, continuous batching). `sampling` takes the
+        SamplingParams field names, as the gRPC client does; `per_prompt` adds parameters that
+        differ per prompt (one dict each)."""
+        samplings = [{**sampling, **extra} for extra in per_prompt] if per_prompt is not None \
+            else [sampling] * len(prompts)
+        return self.loop.run_until_complete(self._generate(prompts, samplings))
+
+    async def _generate(self, prompts, samplings: list[dict]) -> list[Completion]:
+        if self.engine is None:
+            self.engine = Engine(EngineConfig(self.scheduler_config), self.tokenizer, self.dataplane)
+            self._task = asyncio.ensure_future(self.engine.run())
+        await self.dataplane.attach()
+        while not self.engine.accepting:
+            await asyncio.sleep(0)
+        streams = [self.engine.add_request(self._request(p, sampling))
+                   for p, sampling in zip(prompts, samplings, strict=True)]
+        return await asyncio.gather(*(self._collect(s) for s in streams))
+
+    def _request(self, prompt, sampling: dict) -> Request:
+        proto = build_request(prompt, **sampling)
+        info = self.dataplane.info
+        limits = Limits(self.scheduler_config.max_model_len, self.model.vocab_size,
+                        min(self.scheduler_config.max_model_len, info.num_kv_blocks * info.block_size))
+        ids = self.tokenizer.encode(proto.text) if isinstance(prompt, str) else list(prompt)
+        validate_prompt(ids, "prompt", limits)
+        return Request(uuid.uuid4().hex, ids, sampling_params(proto.sampling, len(ids), limits),
+                       self.model.eos_token_ids)
+
+    @staticmethod
+    async def _collect(stream) -> Completion:
+        from controlplane.api_server import chunk_to_proto
+        completion = Completion()
+        async for chunk in stream:
+            completion.add(chunk_to_proto(stream.request.request_id, chunk))
+        return completion
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self._task.cancel()
+            self.loop.run_until_complete(asyncio.gather(self._task, return_exceptions=True))
+        self.loop.close()
