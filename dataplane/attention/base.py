@@ -4,9 +4,14 @@ import torch
 
 from dataplane.forward_context import ForwardContext
 
+BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
 
 class AttentionBackend(Protocol):
     name: str
+    # The KV-cache block size the backend needs, or None for any power of two. The data plane
+    # allocates its cache (and reports block_size to the control plane) with this value.
+    block_size: int | None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
@@ -26,8 +31,22 @@ def make_backend(name: str, device: str) -> AttentionBackend:
     if name == "torch":
         from dataplane.attention.torch_backend import TorchAttention
         return TorchAttention()
-    raise ValueError(f"unknown attention backend {name!r} (choose from: auto, torch)")
+    if name == "triton":  # on CPU only under TRITON_INTERPRET=1 (the kernel tests)
+        from dataplane.attention.triton_backend import TritonAttention
+        return TritonAttention()
+    if name == "flash_attn":
+        from dataplane.attention.flash_attn_backend import import_flash_attn
+        backend, errors = import_flash_attn()
+        if backend is None:
+            raise ValueError("attention backend flash_attn cannot be imported: "
+                             + "; ".join(errors))
+        return backend
+    raise ValueError(f"unknown attention backend {name!r} (choose from: {', '.join(BACKENDS)})")
 
 
 def _best_gpu_backend() -> str:
-    return "torch"
+    """Our Triton kernels: always installed, any block size, split-KV decode that fills the GPU
+    at small batches, CUDA-graph capturable without warm-up compiles per shape. FlashAttention-4
+    has no split-KV on Hopper, forces 128-token blocks and takes ~10 s to import; it stays
+    opt-in (`flash_attn`) unless bench/kernels.py shows it ahead on the workloads we serve."""
+    return "triton"

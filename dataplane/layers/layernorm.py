@@ -3,7 +3,12 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, optionally fused with the residual add that precedes it."""
+    """RMSNorm computed in float32, optionally fused with the residual add that precedes it.
+
+    On CUDA tensors one Triton kernel does the work, and the fused form works in place: x is
+    overwritten with the normalized output and residual with x + residual (callers hand over
+    both; the model never reads them again). Elsewhere the torch code below runs.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -16,8 +21,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            return self._forward_triton(x, residual)
         dtype = x.dtype
         if residual is None:
             return self._norm(x.float(), dtype)
         x = x + residual
         return self._norm(x.float(), dtype), x
+
+    def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from dataplane.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -3,7 +3,11 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate-half), with a cos/sin cache computed in float32 as transformers does."""
+    """Neox-style RoPE (rotate-half), with a cos/sin cache computed in float32 as transformers does.
+
+    On CUDA tensors one Triton kernel rotates q and k in place (the q/k norms hand over fresh
+    tensors) and returns them; elsewhere new tensors come back from the torch code below.
+    """
 
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
         super().__init__()
@@ -14,6 +18,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:
+            from dataplane.kernels.rotary import apply_rotary
+            return apply_rotary(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_dim/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -1,0 +1,83 @@
+"""FlashAttention over the paged cache, when it is importable: FlashAttention-4
+(`flash_attn.cute`, CuTe DSL, Hopper/Blackwell) first, else the FlashAttention 2.x API.
+
+New K/V are stored with our Triton kernel; FlashAttention reads everything from the cache.
+
+Block sizes (exposed as `block_size`; the data plane must allocate the cache with it):
+- FA4 on SM90 loads pages with TMA when a page is one key tile (128 tokens at head_dim 128) and
+  with cp.async at 256; it has no split-KV there and `page_table` cannot be combined with
+  `cu_seqlens_k`, so keys are described by `seqused_k` alone. We use 128.
+- FA 2.x needs pages that are multiples of 256 tokens for `block_table`.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dataplane.forward_context import ForwardContext
+from dataplane.kernels.store_kv import store_kv
+
+
+class FlashAttention4:
+    name = "flash_attn"
+    block_size: int | None = 128
+
+    def __init__(self, varlen_fn: Callable) -> None:
+        self.varlen_fn = varlen_fn  # flash_attn.cute.flash_attn_varlen_func
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        # Causal masks align to the end of each sequence: query i of a request sees keys up to
+        # seqused_k - q_len + i, which is our position convention.
+        out, _ = self.varlen_fn(q, k_cache, v_cache, cu_seqlens_q=ctx.query_start_loc,
+                                max_seqlen_q=ctx.max_query_len, seqused_k=ctx.seq_lens,
+                                max_seqlen_k=ctx.max_seq_len, page_table=ctx.block_tables,
+                                softmax_scale=scale, causal=True)
+        return out
+
+
+class FlashAttention2:
+    name = "flash_attn"
+    block_size: int | None = 256
+
+    def __init__(self, varlen_fn: Callable, kvcache_fn: Callable) -> None:
+        self.varlen_fn = varlen_fn  # flash_attn.flash_attn_varlen_func
+        self.kvcache_fn = kvcache_fn  # flash_attn.flash_attn_with_kvcache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
+            out = self.kvcache_fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.seq_lens,
+                                  block_table=ctx.block_tables, softmax_scale=scale, causal=True)
+            return out.squeeze(1)  # [num_reqs, heads, head_dim]
+        cu_seqlens_k = F.pad(torch.cumsum(ctx.seq_lens, 0, dtype=torch.int32), (1, 0))
+        return self.varlen_fn(q, k_cache, v_cache, cu_seqlens_q=ctx.query_start_loc,
+                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=ctx.max_query_len,
+                              max_seqlen_k=ctx.max_seq_len, softmax_scale=scale, causal=True,
+                              block_table=ctx.block_tables)
+
+
+def load_flash_attn() -> FlashAttention4 | FlashAttention2 | None:
+    """The FlashAttention backend that imports here, FA4 first; None when neither does.
+    Importing flash_attn.cute takes ~10 s (CuTe DSL); call this once, at start-up."""
+    return import_flash_attn()[0]
+
+
+def import_flash_attn() -> tuple[FlashAttention4 | FlashAttention2 | None, list[str]]:
+    """(backend or None, the import errors met on the way): a half-installed FlashAttention
+    (FA4 also needs nvidia-cutlass-dsl, quack-kernels and einops) should say what is missing."""
+    errors = []
+    try:
+        from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+        return FlashAttention4(fa4_varlen), errors
+    except ImportError as e:
+        errors.append(f"flash_attn.cute (FA4): {e}")
+    try:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        return FlashAttention2(flash_attn_varlen_func, flash_attn_with_kvcache), errors
+    except ImportError as e:
+        errors.append(f"flash_attn (2.x): {e}")
+    return None, errors

@@ -1,0 +1,205 @@
+"""Causal attention for variable-length queries over the paged KV cache (prefill, chunked prefill,
+prefill after a prefix-cache hit, and batches that mix those with decodes).
+
+Each request r has q_len = query_start_loc[r+1] - query_start_loc[r] new tokens, already stored
+in the cache, after seq_len - q_len cached ones; its query i sits at position seq_len - q_len + i
+and sees keys 0..that position. All keys are read from the cache through the block table.
+
+One program handles BLOCK_Q consecutive queries of one request for the GROUP query heads of one
+kv head, stacked as BLOCK_M = BLOCK_Q * GROUP_P rows (row = query * GROUP_P + head), so each K/V
+tile is loaded once per kv head. Request r owns the programs [qsl[r] // BLOCK_Q + r,
+qsl[r+1] // BLOCK_Q + r + 1) of a grid of num_tokens // BLOCK_Q + num_reqs, found by a binary
+search over query_start_loc: no host-side list of tiles is needed.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, program, num_reqs, BLOCK_Q: tl.constexpr):
+    """The last request r with query_start_loc[r] // BLOCK_Q + r <= program (increasing in r)."""
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first <= program, mid, lo)
+        hi = tl.where(first <= program, hi, mid)
+    return lo
+
+
+@triton.jit
+def _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_pos, seq_len,
+                  tile_lo, tile_hi, scale_log2e, stride_cache_block, stride_cache_tok,
+                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over key tiles [tile_lo, tile_hi); MASKED applies the causal and length
+    masks (the tiles before the diagonal need neither)."""
+    dims = tl.arange(0, HEAD_DIM)
+    for tile in range(tile_lo, tile_hi):
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if MASKED:
+            key_mask = keys < seq_len
+            blocks = tl.load(bt_row + keys // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
+        else:
+            blocks = tl.load(bt_row + keys // PAGE_SIZE).to(tl.int64)
+        offs = blocks * stride_cache_block + (keys % PAGE_SIZE) * stride_cache_tok + kv_offset
+        if MASKED:
+            k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None],
+                        other=0.0)
+            v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None],
+                        other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :])
+            v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        if MASKED:
+            visible = (keys[None, :] <= q_pos[:, None]) & key_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    num_reqs, scale_log2e,
+    stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
+    stride_bt_req, stride_out_tok, stride_out_head,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, program, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_tile = program - (q_start // BLOCK_Q + req)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_cached = seq_len - q_len
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    rows = tl.arange(0, BLOCK_M)
+    query = q_tile * BLOCK_Q + rows // GROUP_P  # index among this request's new tokens
+    head_in_group = rows % GROUP_P
+    row_mask = (query < q_len) & (head_in_group < GROUP)
+    heads = kv_head * GROUP + head_in_group
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = (q_start + query).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_q_tok + heads[:, None] * stride_q_head
+                + dims[None, :], mask=row_mask[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q_pos = num_cached + query  # [BLOCK_M]
+
+    # Every row sees keys 0..first_pos; the tile's last query sees up to key_end - 1.
+    first_pos = num_cached + q_tile * BLOCK_Q
+    key_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    num_full_tiles = (first_pos + 1) // BLOCK_N
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
+    kv_offset = kv_head * stride_cache_head
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, m, l = _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_pos,
+                              seq_len, 0, num_full_tiles, scale_log2e, stride_cache_block,
+                              stride_cache_tok, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION)
+    acc, m, l = _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_pos,
+                              seq_len, num_full_tiles, tl.cdiv(key_end, BLOCK_N), scale_log2e,
+                              stride_cache_block, stride_cache_tok, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                              True, DOT_PRECISION)
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    dst = (out_ptr + tokens[:, None] * stride_out_tok + heads[:, None] * stride_out_head
+           + dims[None, :])
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def _config(dtype: torch.dtype, head_dim: int, group_p: int, max_query_len: int) -> dict:
+    """Tile sizes: 128 query rows for long prompts (Hopper wgmma needs M >= 64 per warpgroup),
+    fewer when every request brings only a few tokens (chunk tails, decodes)."""
+    if dtype == torch.float32:  # tests only: exact fp32 dots, tiles small enough for shared memory
+        block_m = min(32, max(16, triton.next_power_of_2(max_query_len * group_p)))
+        return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=16, DOT_PRECISION="ieee",
+                    num_warps=4, num_stages=2)
+    block_m = min(128, max(16, triton.next_power_of_2(max_query_len * group_p)))
+    return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=64, DOT_PRECISION="tf32",
+                num_warps=8 if block_m >= 128 else 4, num_stages=3 if head_dim <= 128 else 2)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
+                            out: torch.Tensor | None = None,
+                            config: dict | None = None) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] (their k/v already stored); k_cache, v_cache:
+    [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_reqs, max_blocks] int32;
+    query_start_loc: [num_reqs + 1] int32; seq_lens: [num_reqs] int32 (cached + new);
+    max_query_len: a host bound on the query lengths (picks the tile size; default num_tokens).
+    config: tile settings over the defaults (BLOCK_Q, BLOCK_N, num_warps, num_stages), for
+    tuning. Returns out: [num_tokens, num_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    num_reqs = seq_lens.shape[0]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert num_heads % num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim: a power of two >= 16"
+    assert block_size & (block_size - 1) == 0, "block_size: a power of two"
+    assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32
+    assert seq_lens.dtype == torch.int32 and block_tables.dtype == torch.int32
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
+    assert block_tables.stride(1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    config = _config(q.dtype, head_dim, group_p, max_query_len or num_tokens) | (config or {})
+    grid = (num_tokens // config["BLOCK_Q"] + num_reqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        num_reqs, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=block_size, **config,
+    )
+    return out
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Float32 gather + causally masked softmax per request."""
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    group = num_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    out = torch.zeros_like(q)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        blocks = block_tables[i, :math.ceil(seq_len / block_size)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
+        values = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))  # [heads, q_len, seq_len]
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+    return out

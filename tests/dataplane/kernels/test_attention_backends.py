@@ -1,0 +1,111 @@
+"""The Triton and FlashAttention backends against the torch reference backend: the same cache
+after the store, the same attention output, on decode-only and mixed batches."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dataplane.attention import make_backend  # noqa: E402
+from dataplane.attention.flash_attn_backend import import_flash_attn  # noqa: E402
+from dataplane.attention.torch_backend import TorchAttention  # noqa: E402
+from dataplane.attention.triton_backend import TritonAttention  # noqa: E402
+from dataplane.forward_context import ForwardContext  # noqa: E402
+from tests.dataplane.kernels.helpers import (  # noqa: E402
+    DTYPES, KERNEL_MARKS, assert_close, cumsum0, on_gpu, randn, skip_unsupported)
+
+pytestmark = KERNEL_MARKS
+
+# (new tokens, cached tokens) per request
+DECODE = [(1, 0), (1, 16), (1, 99), (1, 300), (1, 15)]
+MIXED = [(1, 40), (37, 0), (1, 1), (16, 112), (5, 3), (130, 0), (1, 700)]
+
+
+def make_context(lens: list[tuple[int, int]], block_size: int, device: torch.device,
+                 gen: torch.Generator) -> tuple[ForwardContext, int]:
+    """Shuffled blocks for each request, slots for its new tokens; returns (ctx, num_blocks)."""
+    query_lens = [q for q, _ in lens]
+    seq_lens = [q + c for q, c in lens]
+    blocks_per_req = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_req) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lens), max(blocks_per_req) + 1, dtype=torch.int32)
+    slots = []
+    for i, (seq_len, count) in enumerate(zip(seq_lens, blocks_per_req)):
+        ids = order[:count]
+        order = order[count:]
+        tables[i, :count] = torch.tensor(ids, dtype=torch.int32)
+        for pos in range(seq_len - query_lens[i], seq_len):
+            slots.append(ids[pos // block_size] * block_size + pos % block_size)
+    starts = cumsum0(query_lens)
+    ctx = ForwardContext(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=tables.to(device),
+        logits_indices=torch.tensor(starts[1:], device=device) - 1,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_start_loc_host=starts, seq_lens_host=seq_lens)
+    return ctx, num_blocks
+
+
+def compare_with_torch(backend, lens, dtype, block_size, device, gen,
+                       num_heads=16, num_kv_heads=8, head_dim=128, num_layers=2):
+    """Run both backends on identical caches ([2, layers, ...] like the runner's, layer 1 used)."""
+    ctx, num_blocks = make_context(lens, block_size, device, gen)
+    num_tokens = ctx.slot_mapping.shape[0]
+    kv = randn(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+               device=device, gen=gen)
+    kv_ref = kv.clone()
+    q = randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device, gen=gen)
+    qkv = randn(num_tokens, 2 * num_kv_heads * head_dim, dtype=dtype, device=device, gen=gen)
+    k, v = qkv.view(num_tokens, 2, num_kv_heads, head_dim).unbind(1)  # strided views
+    scale = head_dim ** -0.5
+    out = backend.forward(q, k, v, kv[0, 1], kv[1, 1], ctx, scale)
+    expected = TorchAttention().forward(q, k, v, kv_ref[0, 1], kv_ref[1, 1], ctx, scale)
+    assert torch.equal(kv, kv_ref), "the stores differ"
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_triton_backend_matches_torch(dtype, block_size, lens, device, gen):
+    skip_unsupported(dtype, device)
+    compare_with_torch(TritonAttention(), lens, dtype, block_size, device, gen)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_backend_with_fixed_splits(num_splits, device, gen):
+    compare_with_torch(TritonAttention(num_splits=num_splits), DECODE, torch.float32, 16, device,
+                       gen, num_heads=32, num_kv_heads=8)
+
+
+def test_make_backend_names(device):
+    assert isinstance(make_backend("triton", device.type), TritonAttention)
+    assert make_backend("auto", "cpu").name == "torch"
+    assert make_backend("triton", device.type).block_size is None
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_backend("nope", device.type)
+
+
+@pytest.fixture(scope="module")
+def flash_attn():
+    if not torch.cuda.is_available():
+        pytest.skip("FlashAttention needs a GPU")
+    backend, errors = import_flash_attn()
+    if backend is None:
+        pytest.skip(f"no FlashAttention: {'; '.join(errors)}")
+    return backend
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_flash_attn_backend_matches_torch(flash_attn, dtype, lens, num_heads, gen):
+    device = torch.device("cuda")
+    assert on_gpu(device)
+    compare_with_torch(flash_attn, lens, dtype, flash_attn.block_size, device, gen,
+                       num_heads=num_heads)
