@@ -16,6 +16,7 @@ split/in-process ratio, bytes per step over ZeroMQ and the control plane's CPU t
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import random
 import re
@@ -96,13 +97,55 @@ def copy_bandwidth() -> float:
     return 2 * (4 << 30) / sorted(times[2:])[len(times[2:]) // 2]
 
 
+class HostTimes:
+    """Where the host's time goes in the in-process run: wraps the runner and the engine."""
+
+    def __init__(self, llm) -> None:
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        runner, engine = llm.runner, llm.engine
+        self._wrap(runner, "submit")
+        self._wrap(runner, "finish")
+        self._wrap(runner.batch, "prepare")
+        self._wrap(runner.batch, "sampling_batch")
+        self._wrap(engine, "_process")
+        self._wrap(engine, "_launch")
+        if runner.graphs is not None:
+            self._wrap(runner.graphs, "run")
+
+    def _wrap(self, obj, name: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.counts[name] = self.counts.get(name, 0) + 1
+        setattr(obj, name, timed)
+
+    def report(self) -> dict:
+        return {name: {"seconds": round(self.seconds[name], 3), "calls": self.counts[name]}
+                for name in self.seconds}
+
+
+def warm_up(prompts: list[list[int]]) -> tuple[list[list[int]], list[dict]]:
+    """A small run with the workload's prompt shapes, before timing in both modes: kernels
+    compile for the shapes they will see (prefill chunks mixed with decodes, every batch
+    bucket) outside the timed region."""
+    head = prompts[:64]
+    return head, [{"max_tokens": 24, "temperature": 0.6}] * len(head)
+
+
 def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     from splitserve.llm import LLM
     llm = LLM(model_dir, device="cuda", load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               gpu_memory_utilization=args.gpu_memory_utilization)
-    llm.generate([[1, 2, 3, 4]] * 8, max_tokens=16, ignore_eos=True)  # warm-up
+    llm.generate(*warm_up(prompts), ignore_eos=True)
+    host = HostTimes(llm)
     steps_before = llm.engine.num_steps
     cpu_before = time.process_time()
     start = time.perf_counter()
@@ -112,9 +155,11 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     steps = llm.engine.num_steps - steps_before
     info = llm.dataplane.info
     llm.close()
+    print("host time:", json.dumps(host.report()), flush=True)
     return {"seconds": seconds, "output_tokens": sum(c.completion_tokens for c in done),
             "num_steps": steps, "process_cpu_ms_per_step": 1e3 * (time.process_time() - cpu_before) / steps,
-            "num_kv_blocks": info.num_kv_blocks, "attention_backend": info.attention_backend}
+            "num_kv_blocks": info.num_kv_blocks, "attention_backend": info.attention_backend,
+            "host_time": host.report()}
 
 
 def _free_port() -> int:
@@ -140,7 +185,13 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
         with Client(address) as client:
             if not client.wait_until_serving(600):
                 raise RuntimeError(f"server not serving; see {log.name}")
-            client.generate([1, 2, 3, 4], max_tokens=16, ignore_eos=True)  # warm-up
+            warm_prompts, warm_sampling = warm_up(prompts)
+
+            async def warm():
+                async with AsyncClient(address) as c:
+                    await asyncio.gather(*(c.generate(p, **s, ignore_eos=True)
+                                           for p, s in zip(warm_prompts, warm_sampling)))
+            asyncio.run(warm())
             before = client.load()
 
         async def send_all():
@@ -171,7 +222,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b",
                         choices=("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"))
-    parser.add_argument("--modes", nargs="+", default=["inprocess", "split"],
+    parser.add_argument("--modes", nargs="+", default=["split", "inprocess"],
                         choices=("inprocess", "split"))
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -190,8 +241,10 @@ def main() -> None:
     prompts, outputs = workload(args.num_requests, args.seed)
     bandwidth = copy_bandwidth()
     ideal = roofline(config, prompts, outputs, bandwidth, args.max_num_seqs)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    # The device machine gets the working tree without .git: pass the commit in the environment.
+    commit = os.environ.get("SPLITSERVE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        text=True).stdout.strip() or "unknown"
     results = {}
     for mode in args.modes:
         run = run_inprocess if mode == "inprocess" else run_split
@@ -206,15 +259,19 @@ def main() -> None:
             "config": {k: v for k, v in vars(args).items() if k != "out_dir"}}
         print(f"{args.model} {mode}: {measured['output_tokens']} tokens in {measured['seconds']:.2f}s"
               f" = {tok_per_s:.0f} tok/s, {tok_per_s / ideal['roofline_tok_per_s']:.1%} of the "
-              f"roofline ({ideal['roofline_tok_per_s']:.0f} tok/s at {bandwidth / 1e9:.0f} GB/s)",
-              flush=True)
+              f"roofline ({ideal['roofline_tok_per_s']:.0f} tok/s at {bandwidth / 1e9:.0f} GB/s), "
+              f"{measured['num_steps']} steps", flush=True)
+        _save(args, mode, results[mode])
     if "inprocess" in results and "split" in results:
         ratio = results["split"]["output_tok_per_s"] / results["inprocess"]["output_tok_per_s"]
         results["split"]["split_over_inprocess"] = ratio
         print(f"split / in-process: {ratio:.3f}")
-    for mode, result in results.items():
-        name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}".lower())
-        (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+        _save(args, "split", results["split"])
+
+
+def _save(args, mode: str, result: dict) -> None:
+    name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}".lower())
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] int64, device
     context: ForwardContext
     sampled_slots: torch.Tensor  # [num_sampled] int64, host: slots that produce a token
+    # [num_sampled] int64, device: where each sampled token goes in the token table
+    sampled_index: torch.Tensor
 
 
 class _SlotParams:
@@ -118,7 +120,7 @@ class InputBatch:
         # positions, token indices, slot mapping (per token); query starts, lengths, slots
         # (per request); logits rows; block-table updates (three per new block)
         tokens, reqs = limits.max_num_batched_tokens, limits.max_num_seqs
-        self._staging = _Staging(3 * tokens + 4 * reqs + 2 + 3 * s * max_blocks, device)
+        self._staging = _Staging(3 * tokens + 5 * reqs + 2 + 3 * s * max_blocks, device)
 
     # -- deltas --------------------------------------------------------------------------------
 
@@ -172,14 +174,16 @@ class InputBatch:
                         + positions % block_size)
         is_sampled = seq_lens == self.num_tokens[slots]
         logits_indices = query_start_loc[1:][is_sampled] - 1
+        sampled_index = (slots * max_len + seq_lens)[is_sampled]
         parts = [positions, token_slot * max_len + positions, slot_mapping, query_start_loc,
-                 seq_lens, slots, logits_indices]
+                 seq_lens, slots, logits_indices, sampled_index]
         if self._pending_blocks is not None:
             parts.extend(self._pending_blocks)
         device_parts = self._staging.to_device(parts)
-        positions_d, token_index_d, slot_mapping_d, qsl_d, seq_lens_d, slots_d, logits_d = device_parts[:7]
+        positions_d, token_index_d, slot_mapping_d, qsl_d, seq_lens_d, slots_d, logits_d, \
+            sampled_index_d = device_parts[:8]
         if self._pending_blocks is not None:
-            owner_d, column_d, ids_d = device_parts[7:]
+            owner_d, column_d, ids_d = device_parts[8:]
             self.block_table_device[owner_d, column_d] = ids_d.int()
             self._pending_blocks = None
         max_blocks = int((-(-seq_lens // block_size)).max())
@@ -191,14 +195,12 @@ class InputBatch:
             max_seq_len=max(seq_lens_host), query_start_loc_host=query_start_loc.tolist(),
             seq_lens_host=seq_lens_host)
         token_ids = self.token_ids.view(-1)[token_index_d].long()
-        return StepInputs(token_ids, positions_d, context, slots[is_sampled])
+        return StepInputs(token_ids, positions_d, context, slots[is_sampled], sampled_index_d)
 
-    def append_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Record tokens sampled on the device (their values stay there); `slots` on the host."""
-        positions = self.num_tokens[slots]
-        index = (slots * self.limits.max_model_len + positions).to(self.device, non_blocking=True)
-        self.token_ids.view(-1)[index] = token_ids.to(torch.int32)
-        self.num_tokens[slots] += 1
+    def append_sampled(self, inputs: StepInputs, token_ids: torch.Tensor) -> None:
+        """Record tokens sampled on the device (their values stay there)."""
+        self.token_ids.view(-1)[inputs.sampled_index] = token_ids.to(torch.int32)
+        self.num_tokens[inputs.sampled_slots] += 1
 
     def sampling_batch(self, slots: torch.Tensor) -> SamplingBatch:
         p = self.params

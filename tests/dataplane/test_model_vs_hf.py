@@ -44,8 +44,8 @@ def test_prefill_batch_matches(pair):
         blocks = blocks_for(next_block, len(p))
         next_block += len(blocks)
         scheds.append(Sched(slot, 0, len(p), blocks, new_tokens=p))
-    logits, slots = runner.forward(make_step(1, scheds))
-    assert slots.tolist() == [0, 1, 2, 3]
+    logits, inputs = runner.forward(make_step(1, scheds))
+    assert inputs.sampled_slots.tolist() == [0, 1, 2, 3]
     for i, p in enumerate(ps):
         torch.testing.assert_close(logits[i], hf_logits(hf, p)[-1], atol=ATOL, rtol=0)
 
@@ -58,22 +58,22 @@ def test_chunked_prefill_then_decode_matches(pair):
     long, short = prompts(runner.vocab_size, [13, 3], seed=1)
     step = make_step(1, [Sched(0, 0, 5, blocks_for(0, 5), new_tokens=long),
                          Sched(1, 0, 3, [10], new_tokens=short)])
-    logits, slots = runner.forward(step)
-    assert slots.tolist() == [1]  # the chunk did not reach the end of its prompt: no logits
+    logits, inputs = runner.forward(step)
+    assert inputs.sampled_slots.tolist() == [1]  # the chunk did not reach its prompt's end
     torch.testing.assert_close(logits[0], hf_logits(hf, short)[-1], atol=ATOL, rtol=0)
     short = short + [int(logits[0].argmax())]
-    runner.batch.append_sampled(slots, torch.tensor([short[-1]]))
+    runner.batch.append_sampled(inputs, torch.tensor([short[-1]]))
     step = make_step(2, [Sched(0, 5, 5, [2]), Sched(1, 3, 1, [11])])
-    logits, slots = runner.forward(step)
-    assert slots.tolist() == [1]
+    logits, inputs = runner.forward(step)
+    assert inputs.sampled_slots.tolist() == [1]
     torch.testing.assert_close(logits[0], hf_logits(hf, short)[-1], atol=ATOL, rtol=0)
-    logits, slots = runner.forward(make_step(3, [Sched(0, 10, 3, [3])]))
+    logits, inputs = runner.forward(make_step(3, [Sched(0, 10, 3, [3])]))
     torch.testing.assert_close(logits[0], hf_logits(hf, long)[-1], atol=ATOL, rtol=0)
     for step_id in range(4, 7):
         long = long + [int(logits[0].argmax())]
-        runner.batch.append_sampled(slots, torch.tensor([long[-1]]))
+        runner.batch.append_sampled(inputs, torch.tensor([long[-1]]))
         new_blocks = [4 + step_id] if (len(long) - 1) % BLOCK == 0 else []
-        logits, slots = runner.forward(make_step(step_id, [Sched(0, len(long) - 1, 1, new_blocks)]))
+        logits, inputs = runner.forward(make_step(step_id, [Sched(0, len(long) - 1, 1, new_blocks)]))
         torch.testing.assert_close(logits[0], hf_logits(hf, long)[-1], atol=ATOL, rtol=0)
 
 

@@ -83,6 +83,7 @@ class Server:
 
 def serve(model: pathlib.Path, tmp: pathlib.Path, *extra: str) -> Server:
     """`splitserve serve` on a free port, SERVING once returned."""
+    tmp.mkdir(parents=True, exist_ok=True)
     process = Process(["serve", "--model", str(model), "--port", "0", *extra], tmp / "serve.log")
     port = int(process.wait_for_log(r"serving gRPC on [\d.]+:(\d+)").group(1))
     return Server([process], port).wait_serving()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One batched call on a lent GPU machine (see ../shared/gpu/README.md): carried wheels and the
+# FlashAttention-4 bundle installed, then the stages named on the command line, each logging to
+# $OUT. Stages: tests (GPU-marked tests), kernels (kernel micro-benchmarks), moe (fused MoE
+# tuning), profile (where a decode step's time goes), bench-0.6b, bench-8b, bench-30b (workload
+# A, both modes), bench-0.6b-tp2. Set SPLITSERVE_COMMIT (no .git travels to the device machine):
+#   OUT=$OUT SPLITSERVE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_run.sh tests bench-0.6b
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+if [ -f .fa4/fa4site.tar.xz ] && [ ! -d /tmp/fa4site ]; then
+  mkdir -p /tmp/fa4site && tar -xJf .fa4/fa4site.tar.xz -C /tmp/fa4site
+fi
+[ -d /tmp/fa4site ] && export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests) timeout 360 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf \
+             --maxfail=20 tests/dataplane/kernels tests/dataplane/test_gpu_runner.py \
+             tests/dataplane/test_moe_vs_hf.py 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
+    runner) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf -x \
+             tests/dataplane/test_gpu_runner.py tests/dataplane/kernels/test_model_backends.py \
+             2>&1 | tee "$OUT/runner.log" | tail -60 ;;
+    kernels) timeout 150 python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 \
+             | tee "$OUT/kernels.log" | tail -40 ;;
+    moe) timeout 300 python3 bench/fused_moe.py --out "$OUT/fused_moe.json" 2>&1 | tail -30 ;;
+    profile) timeout 200 python3 bench/profile_decode.py 2>&1 | grep -v Warning | tail -70 ;;
+    bench-0.6b) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-8b) timeout 240 python3 bench/throughput.py --model qwen3-8b --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-30b) timeout 300 python3 bench/throughput.py --model qwen3-30b-a3b --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-0.6b-tp2) timeout 400 python3 bench/throughput.py --model qwen3-0.6b --modes split --tp 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+echo "=== done $(date +%T)"

@@ -1,0 +1,61 @@
+"""Where a decode-heavy step's time goes, in-process: torch.profiler over a batch of 256
+requests (512-token prompts, 40 output tokens) after an identical warm-up run. Prints the top
+device kernels, the top host ops, the device-busy share and the host-side breakdown.
+
+    python bench/profile_decode.py [--model qwen3-0.6b] [--out trace.json]
+"""
+
+import argparse
+import pathlib
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from throughput import HostTimes, shapes  # noqa: E402
+
+from dataplane import checkpoints  # noqa: E402
+from splitserve.llm import LLM  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    model_dir = checkpoints.write_config_only(pathlib.Path(tempfile.mkdtemp()) / args.model,
+                                              shapes(args.model))
+    llm = LLM(model_dir, device="cuda", load_format="dummy", max_num_seqs=256,
+              max_num_batched_tokens=16384, max_model_len=4096)
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(512)] for _ in range(256)]
+    llm.generate(prompts, max_tokens=40, temperature=0.6, ignore_eos=True)
+    host = HostTimes(llm)
+    prompts = [[rng.randint(0, 10000) for _ in range(512)] for _ in range(256)]
+    steps = llm.engine.num_steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, max_tokens=40, temperature=0.6, ignore_eos=True)
+        wall = time.perf_counter() - start
+    steps = llm.engine.num_steps - steps
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    print(f"{steps} steps in {wall:.2f}s: {1e3 * wall / steps:.2f} ms/step; device busy "
+          f"{device_us / 1e6:.2f}s ({device_us / 1e6 / wall:.0%})")
+    print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print("host:", host.report())
+    if args.out:
+        prof.export_chrome_trace(str(args.out))
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
