@@ -46,6 +46,7 @@ class DataPlaneLink:
         self.config = config
         self._on_change = on_change or (lambda attached: None)
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor_sock: zmq.asyncio.Socket | None = None
         self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
         self._tasks: list[asyncio.Task] = []
         self._peer: _Peer | None = None
@@ -75,11 +76,12 @@ class DataPlaneLink:
         configure_socket(self._sock, self.config, server=True)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         warn_if_exposed(self.address, self.config)
-        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor_sock = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor_sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.address)
         self._tasks = [asyncio.create_task(self._reader(), name="link-reader"),
                        asyncio.create_task(self._watchdog(), name="link-watchdog"),
-                       asyncio.create_task(self._monitor(monitor), name="link-monitor")]
+                       asyncio.create_task(self._monitor(self._monitor_sock), name="link-monitor")]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -88,6 +90,7 @@ class DataPlaneLink:
         self._lose("control plane closing")
         if self._sock is not None:
             self._sock.disable_monitor()
+            self._monitor_sock.close()
             self._sock.close()
         if self._auth is not None:
             self._auth.stop()
@@ -164,9 +167,12 @@ class DataPlaneLink:
         self._seq += 1
         message.seq, message.epoch = self._seq, peer.epoch
         try:
-            self._sock.send_multipart([peer.identity, *framing.encode(message)], flags=zmq.NOBLOCK)
+            sent = self._sock.send_multipart([peer.identity, *framing.encode(message)],
+                                             flags=zmq.NOBLOCK)
         except zmq.ZMQError:
-            pass  # already disconnected: nothing to tell
+            return  # already disconnected: nothing to tell
+        # (an asyncio socket reports a failed send on the future: nobody waits for it here)
+        sent.add_done_callback(lambda future: future.cancelled() or future.exception())
 
     async def _watchdog(self) -> None:
         while True:
@@ -192,13 +198,10 @@ class DataPlaneLink:
     async def _monitor(self, monitor: zmq.asyncio.Socket) -> None:
         """A dropped connection (a killed process) is seen here at once; which peer it was is
         found by probing the attached one."""
-        try:
-            while True:
-                zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
-                if self._peer is not None:
-                    await self._probe(self._peer)
-        finally:
-            monitor.close()
+        while True:
+            zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
+            if self._peer is not None:
+                await self._probe(self._peer)
 
     async def _reader(self) -> None:
         while True:

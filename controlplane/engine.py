@@ -122,6 +122,7 @@ class Engine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._step_ids = itertools.count(1)
+        self._last_step_id = 0  # the last step sent in this epoch
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._reattach_timer: asyncio.Task | None = None
 
@@ -205,6 +206,7 @@ class Engine:
             self._reattach_timer.cancel()
             self._reattach_timer = None
         self.info = info
+        self._last_step_id = 0
         self.deadline.reset()
         self.attachment = Attachment.ATTACHED
         self._wakeup.set()
@@ -284,8 +286,10 @@ class Engine:
         self.num_preemptions += out.num_preempted
         # A step waits behind the ones sent before it: its deadline covers them too.
         num_tokens = out.num_batched_tokens + sum(s.out.num_batched_tokens for s in self._in_flight)
+        step = encode_step(next(self._step_ids), self._last_step_id, out)
+        self._last_step_id = step.step_id
         reply = asyncio.ensure_future(self.dataplane.execute(
-            encode_step(next(self._step_ids), out), epoch, self.deadline.timeout_for(num_tokens)))
+            step, epoch, self.deadline.timeout_for(num_tokens)))
         self._in_flight.append(_InFlight(out, reply, time.monotonic()))
         return True
 

@@ -29,8 +29,9 @@ def sampling_options(request: Request) -> link_pb2.SamplingOptions:
     return options
 
 
-def encode_step(step_id: int, out: SchedulerOutput) -> link_pb2.Step:
-    step = link_pb2.Step(step_id=step_id, freed_slots=pack_i32(out.freed_slots))
+def encode_step(step_id: int, previous_step_id: int, out: SchedulerOutput) -> link_pb2.Step:
+    step = link_pb2.Step(step_id=step_id, previous_step_id=previous_step_id,
+                         freed_slots=pack_i32(out.freed_slots))
     slots, first_positions, num_tokens, num_blocks, block_ids = [], [], [], [], []
     for s in out.scheduled:
         r = s.request

@@ -70,6 +70,17 @@ def hf_config(spec: TinyQwen3):
                        architectures=["Qwen3ForCausalLM"])
 
 
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int, init_std: float) -> None:
+    """N(0, init_std) weights and 1 + N(0, 0.1) norm weights, seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
+        else:
+            param.copy_(init_std * torch.randn(param.shape, generator=generator))
+
+
 def write_random_qwen3(path: str | pathlib.Path, spec: TinyQwen3 = TinyQwen3(), seed: int = 0,
                        init_std: float = 0.2, dtype: torch.dtype = torch.float32,
                        tokenizer_vocab_size: int | None = None) -> pathlib.Path:
@@ -84,14 +95,8 @@ def write_random_qwen3(path: str | pathlib.Path, spec: TinyQwen3 = TinyQwen3(), 
     hf_logging.disable_progress_bar()
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
     model = Qwen3ForCausalLM(hf_config(spec))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(init_std * torch.randn(param.shape, generator=generator))
+    _randomize(model, seed, init_std)
     model.to(dtype).save_pretrained(str(path), safe_serialization=True)
     write_tokenizer(path, min(tokenizer_vocab_size or spec.vocab_size, spec.vocab_size))
     return path
@@ -192,14 +197,8 @@ def write_random_qwen3_moe(path: str | pathlib.Path, spec: TinyQwen3Moe = TinyQw
     hf_logging.disable_progress_bar()
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
     model = Qwen3MoeForCausalLM(hf_moe_config(spec))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(init_std * torch.randn(param.shape, generator=generator))
+    _randomize(model, seed, init_std)
     model.to(dtype).save_pretrained(str(path), safe_serialization=True,
                                     save_original_format=not stacked_experts)
     names = set()

@@ -102,6 +102,8 @@ class Rank0:
         self.liveness = liveness
         self.state = EpochState()
         self.pending: collections.deque[tuple[link_pb2.LinkMessage, PendingStep]] = collections.deque()
+        # Steps that arrived before their predecessor, by the predecessor's id.
+        self.early: dict[int, tuple[bytes, link_pb2.LinkMessage]] = {}
         self._idle_tick = link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()).SerializeToString()
 
     def run(self) -> None:
@@ -131,19 +133,32 @@ class Rank0:
         if body == "configure":
             while self.pending:  # the previous epoch's steps end first
                 self._finish_oldest()
+            self.early.clear()
             broadcast_bytes(payload)
             self.link.send(_configure(self.runner, message, self.state))
         elif body == "step":
-            broadcast_bytes(payload)
-            self.state.last_step_id = message.step.step_id
-            try:
-                self.pending.append((message, self.runner.submit(message.step)))
-            except Exception as e:  # the device state may be broken: report, then exit
-                log.exception("step failed")
-                _report_failure(self.link, message, e)
-                raise
+            self._on_step(payload, message)
         elif body == "reject":
             log.error("the control plane refused this data plane: %s", message.reject.reason)
+
+    def _on_step(self, payload: bytes, message: link_pb2.LinkMessage) -> None:
+        """Run steps strictly in the order they were sent: one whose predecessor has not run
+        waits for it (the predecessor was lost and is on its way again)."""
+        if message.step.previous_step_id != self.state.last_step_id:
+            if len(self.early) < 16:
+                self.early[message.step.previous_step_id] = (payload, message)
+            return
+        broadcast_bytes(payload)
+        self.state.last_step_id = message.step.step_id
+        try:
+            self.pending.append((message, self.runner.submit(message.step)))
+        except Exception as e:  # the device state may be broken: report, then exit
+            log.exception("step failed")
+            _report_failure(self.link, message, e)
+            raise
+        successor = self.early.pop(message.step.step_id, None)
+        if successor is not None:
+            self._on_step(*successor)
 
     def _finish_oldest(self) -> None:
         message, pending = self.pending[0]

@@ -129,7 +129,7 @@ class NewRequest(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("step_id", "freed_slots", "new_requests", "slots", "num_computed_tokens", "num_scheduled_tokens", "num_new_blocks", "new_block_ids")
+    __slots__ = ("step_id", "freed_slots", "new_requests", "slots", "num_computed_tokens", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "previous_step_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FREED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class Step(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     freed_slots: bytes
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -146,7 +147,8 @@ class Step(_message.Message):
     num_scheduled_tokens: bytes
     num_new_blocks: bytes
     new_block_ids: bytes
-    def __init__(self, step_id: _Optional[int] = ..., freed_slots: _Optional[bytes] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., slots: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ...) -> None: ...
+    previous_step_id: int
+    def __init__(self, step_id: _Optional[int] = ..., freed_slots: _Optional[bytes] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., slots: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., previous_step_id: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("forward_ms", "sample_ms", "total_ms")

@@ -14,8 +14,10 @@ torch.
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import pathlib
+import signal
 import sys
 
 DEFAULT_PORT = 50051
@@ -349,6 +351,8 @@ def _health(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: for a process that seems stuck.
+    faulthandler.register(signal.SIGUSR1)
     if hasattr(args, "log_level"):
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

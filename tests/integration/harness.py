@@ -52,10 +52,17 @@ class Process:
             try:
                 self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                self.dump_stacks()
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(timeout_s)
         self._log.close()
         return self.popen.returncode
+
+    def dump_stacks(self) -> None:
+        """Ask a stuck process for its threads' stacks (into its log; see splitserve.cli)."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGUSR1)
+            time.sleep(1)
 
 
 class Server:
@@ -74,6 +81,14 @@ class Server:
 
     def log(self) -> str:
         return "\n".join(p.log() for p in self.processes)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Nothing running or waiting and no KV block in use (cancellations reach the engine
+        asynchronously, so this waits, bounded)."""
+        def idle() -> bool:
+            load = self.client.load()
+            return (load.num_running, load.num_waiting, load.kv_blocks_used) == (0, 0, 0)
+        return wait_until(idle, timeout_s)
 
     def stop(self) -> None:
         self.client.close()

@@ -130,7 +130,7 @@ def test_stop_string_spanning_chunks_never_reaches_the_client(server):
                                                 ignore_eos=True, stop=["never-there", stop]))
     assert "".join(c.text for c in chunks) == full[:full.find(stop)]
     assert chunks[-1].finish_reason == generation_pb2.FINISH_REASON_STOP
-    assert load_is_idle(server)
+    assert server.wait_idle()
 
 
 def test_stop_token_id_is_returned_and_ends_the_request(server):
@@ -190,7 +190,7 @@ def test_abort_rpc_ends_the_stream_and_is_idempotent(server):
     last = list(stream)[-1]
     assert last.finish_reason == generation_pb2.FINISH_REASON_ABORTED
     assert server.client.abort("to-abort") == 0
-    assert load_is_idle(server)
+    assert server.wait_idle()
 
 
 def test_small_rpcs(server):
@@ -202,18 +202,6 @@ def test_small_rpcs(server):
     with pytest.raises(grpc.RpcError) as error:
         server.client.detokenize([1, 5000])
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[1]" in error.value.details()
-
-
-def load_is_idle(server, timeout_s: float = 10.0) -> bool:
-    """Cancellation reaches the engine asynchronously: wait (bounded) for the load to drain."""
-    import time
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        load = server.client.load()
-        if (load.num_running, load.num_waiting, load.kv_blocks_used) == (0, 0, 0):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_200_streams_with_cancels_and_deadlines_leave_nothing_behind(server):
@@ -241,7 +229,7 @@ def test_200_streams_with_cancels_and_deadlines_leave_nothing_behind(server):
     outcomes = asyncio.run(run())
     assert outcomes.count("cancelled") >= 50 and outcomes.count("done") >= 50
     assert set(outcomes) <= {"cancelled", "done", "DEADLINE_EXCEEDED", "CANCELLED"}
-    assert load_is_idle(server)
+    assert server.wait_idle()
     good_request(server)
 
 

@@ -77,8 +77,7 @@ def test_soak_keeps_resources_flat(checkpoints, tmp_path):
             return await load
 
         outcomes = asyncio.run(main())
-        assert harness.wait_until(lambda: (lambda l: (l.num_running, l.num_waiting, l.kv_blocks_used)
-                                           == (0, 0, 0))(server.client.load()), 10)
+        assert server.wait_idle()
         assert server.client.load().num_dataplane_losses == 0
     finally:
         server.stop()

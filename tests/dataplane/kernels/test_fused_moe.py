@@ -29,15 +29,6 @@ SMALL = dict(hidden=96, inter=48, num_experts=8, top_k=2)
 TINY = dict(hidden=64, inter=32, num_experts=16, top_k=4)
 
 
-@pytest.fixture(scope="module")
-def device() -> torch.device:
-    if INTERPRET:
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 for Triton's interpreter on CPU")
-
-
 def routing(num_tokens: int, num_experts: int, top_k: int, unused: list[int], seed: int,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random top-k routing (renormalized softmax) that never picks the `unused` experts."""
