@@ -113,12 +113,14 @@ class Engine:
         self.info: DataPlaneInfo | None = None
         self.attachment = Attachment.DETACHED
         self.draining = False
+        self._closing = False
         self.streams: dict[str, RequestStream] = {}
         self.deadline = StepDeadline(cap_s=config.step_timeout_cap_s)
         self.num_preemptions = 0
         self.num_dataplane_losses = 0
         self.num_steps = 0
         self._wakeup = asyncio.Event()
+        self._closed = asyncio.Event()  # set by close(): wakes a run() waiting to attach
         self._idle = asyncio.Event()
         self._idle.set()
         self._step_ids = itertools.count(1)
@@ -184,16 +186,38 @@ class Engine:
             self.abort(request_id, FinishReason.UNAVAILABLE)
         return len(cut)
 
+    def close(self) -> None:
+        """Make run() return at its next turn. (Cancelling it is not enough on Python 3.11:
+        asyncio.wait_for can swallow a cancellation that races with its result.)"""
+        self._closing = True
+        for step in self._in_flight:
+            step.reply.cancel()
+        self._wakeup.set()
+        self._closed.set()
+
     # -- attachment ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        while True:
-            info = await self.dataplane.attach()
+        while not self._closing:
+            info = await self._attach_or_close()
+            if info is None:
+                return
             self._attach(info)
             try:
                 await self._serve(info.epoch)
             except DataPlaneLost as e:
-                self._lose(e)
+                if not self._closing:
+                    self._lose(e)
+
+    async def _attach_or_close(self) -> DataPlaneInfo | None:
+        attach = asyncio.ensure_future(self.dataplane.attach())
+        closing = asyncio.ensure_future(self._closed.wait())
+        await asyncio.wait({attach, closing}, return_when=asyncio.FIRST_COMPLETED)
+        closing.cancel()
+        if self._closing:
+            attach.cancel()
+            return None
+        return attach.result()
 
     def _attach(self, info: DataPlaneInfo) -> None:
         kv = KVCacheManager(info.num_kv_blocks, info.block_size,
@@ -257,7 +281,7 @@ class Engine:
     # -- steps ---------------------------------------------------------------------------------
 
     async def _serve(self, epoch: int) -> None:
-        while True:
+        while not self._closing:
             if not self._in_flight and not self.dataplane.is_attached:
                 # (with steps in flight, their replies say what happened, e.g. which one failed)
                 raise DataPlaneLost("the link reports the data plane gone")
@@ -268,7 +292,14 @@ class Engine:
                 await self._wakeup.wait()
                 continue
             step = self._in_flight[0]
-            result = await step.reply
+            try:
+                result = await step.reply
+            except asyncio.CancelledError:
+                if self._closing:  # close() cancelled the step's reply
+                    return
+                raise
+            if self._closing:
+                return
             self._in_flight.popleft()
             self.num_steps += 1
             self.deadline.observe(step.out.num_batched_tokens, time.monotonic() - step.started)

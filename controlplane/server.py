@@ -2,9 +2,13 @@
 reflection; drain on SIGTERM."""
 
 import asyncio
+import faulthandler
 import logging
+import os
 import pathlib
 import signal
+import sys
+import threading
 from dataclasses import dataclass, field
 
 import grpc
@@ -161,10 +165,13 @@ class ControlPlane:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.server is not None:
+            log.info("stopping the gRPC server")
             await self.server.stop(grace_s)
         if self.engine_task is not None:
-            self.engine_task.cancel()
+            log.info("stopping the engine")
+            self.engine.close()
             await asyncio.gather(self.engine_task, return_exceptions=True)
+        log.info("closing the link")
         await self.link.close()
 
 
@@ -182,4 +189,21 @@ async def run_until_signal(control_plane: ControlPlane) -> None:
     if engine_task.done():
         await control_plane.stop()
         raise RuntimeError("the engine loop stopped") from engine_task.exception()
+    _exit_if_stuck(control_plane.config.drain_timeout_s + 15)
     await control_plane.drain_and_stop()
+
+
+def _exit_if_stuck(after_s: float) -> None:
+    """A stop must end the process: if it is still alive `after_s` from now, print every
+    thread's stack and every asyncio task's (to find out why) and exit with status 1."""
+    loop = asyncio.get_running_loop()
+
+    def give_up() -> None:
+        log.error("still not stopped %.0fs after the signal; exiting", after_s)
+        faulthandler.dump_traceback()
+        for task in asyncio.all_tasks(loop):
+            task.print_stack(file=sys.stderr)
+        os._exit(1)
+    timer = threading.Timer(after_s, give_up)
+    timer.daemon = True
+    timer.start()

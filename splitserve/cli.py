@@ -268,6 +268,7 @@ async def _serve(args: argparse.Namespace) -> None:
     try:
         await run_until_signal(control_plane)
     finally:
+        logging.getLogger("splitserve.supervisor").info("stopping the data plane")
         await supervisor.stop()
         supervised.cancel()
 

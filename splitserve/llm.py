@@ -115,6 +115,6 @@ class LLM:
 
     def close(self) -> None:
         if self.engine is not None:
-            self._task.cancel()
+            self.engine.close()
             self.loop.run_until_complete(asyncio.gather(self._task, return_exceptions=True))
         self.loop.close()

@@ -32,9 +32,11 @@ def run(body, config=EngineConfig(SchedulerConfig(max_num_seqs=4, max_model_len=
         engine = Engine(config, TOKENIZER, dp)
         task = asyncio.create_task(engine.run())
         try:
+            await asyncio.wait_for(until(lambda: engine.accepting), 5)
             return await asyncio.wait_for(body(engine, dp), 20)
         finally:
-            task.cancel()
+            engine.close()
+            await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
     return asyncio.run(main())
 
 
@@ -170,6 +172,27 @@ def test_drain_lets_short_requests_finish_and_cuts_the_rest():
     assert short[-1].finish_reason is FinishReason.LENGTH
     assert long[-1].finish_reason is FinishReason.UNAVAILABLE
     assert cut == 1 and not serving
+
+
+def test_close_ends_the_loop_in_any_state():
+    """Idle, waiting to attach, or with steps in flight: run() returns after close()."""
+    async def main():
+        for state in ("idle", "detached", "busy"):
+            dp = FakeDataPlane()
+            if state != "detached":
+                dp.connect()
+            engine = Engine(EngineConfig(SchedulerConfig(max_num_seqs=4, max_model_len=64)),
+                            TOKENIZER, dp)
+            task = asyncio.create_task(engine.run())
+            if state == "busy":
+                await until(lambda: engine.accepting)
+                engine.add_request(make_request("a", [1, 2], max_tokens=50))
+                await until(lambda: dp.num_steps >= 2)
+            await asyncio.sleep(0.01)
+            engine.close()
+            await asyncio.wait_for(task, 2)
+
+    asyncio.run(main())
 
 
 def test_an_idle_engine_notices_a_loss_at_once():

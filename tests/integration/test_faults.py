@@ -230,40 +230,36 @@ def test_chaos_proxy_loses_and_duplicates_no_token(model, expected, tmp_path):
           f"data planes started {len(dataplanes.processes)}")
 
 
+def stops_cleanly(server) -> None:
+    """The serve process exits 0 on its own after SIGTERM (its stacks are logged if not)."""
+    process = server.processes[0]
+    exited = harness.wait_until(lambda: process.popen.poll() is not None, 30)
+    if not exited:
+        process.dump_stacks()
+    server.stop()
+    assert exited and process.popen.returncode == 0, process.log()[-6000:]
+
+
 def test_sigterm_drains(model, tmp_path):
-    process = harness.Process(["serve", "--model", str(model), "--port", "0", "--num-kv-blocks",
-                               "512", "--drain-timeout", "30"], tmp_path / "serve.log")
-    port = int(process.wait_for_log(r"serving gRPC on [\d.]+:(\d+)").group(1))
-    server = harness.Server([process], port).wait_serving()
+    server = harness.serve(model, tmp_path, "--num-kv-blocks", "512", "--drain-timeout", "30")
     flight = InFlight(server.client, max_tokens=300)
     assert flight.started.wait(60)
-    process.popen.send_signal(signal.SIGTERM)
+    server.processes[0].popen.send_signal(signal.SIGTERM)
     assert harness.wait_until(lambda: not server.client.is_serving(), 2)
     with pytest.raises(grpc.RpcError) as error:
         server.client.generate([1, 2], max_tokens=2)
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     results = flight.wait()
     assert [r[0] for r in results] == ["FINISH_REASON_LENGTH"] * len(PROMPTS)
-    exited = harness.wait_until(lambda: process.popen.poll() is not None, 30)
-    if not exited:
-        process.dump_stacks()
-    server.stop()
-    assert exited and process.popen.returncode == 0, process.log()[-6000:]
+    stops_cleanly(server)
 
 
 def test_sigterm_with_zero_drain_timeout_ends_live_requests_unavailable(model, tmp_path):
-    process = harness.Process(["serve", "--model", str(model), "--port", "0", "--num-kv-blocks",
-                               "512", "--drain-timeout", "0"], tmp_path / "serve.log")
-    port = int(process.wait_for_log(r"serving gRPC on [\d.]+:(\d+)").group(1))
-    server = harness.Server([process], port).wait_serving()
+    server = harness.serve(model, tmp_path, "--num-kv-blocks", "512", "--drain-timeout", "0")
     flight = InFlight(server.client, max_tokens=400)
     assert flight.started.wait(60)
-    process.popen.send_signal(signal.SIGTERM)
+    server.processes[0].popen.send_signal(signal.SIGTERM)
     results = flight.wait()
     assert {r[0] for r in results} <= {"UNAVAILABLE", "FINISH_REASON_LENGTH"}
     assert "UNAVAILABLE" in {r[0] for r in results}
-    exited = harness.wait_until(lambda: process.popen.poll() is not None, 30)
-    if not exited:
-        process.dump_stacks()
-    server.stop()
-    assert exited and process.popen.returncode == 0, process.log()[-6000:]
+    stops_cleanly(server)

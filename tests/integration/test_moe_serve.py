@@ -4,7 +4,7 @@ logprobs and TP=2 equal transformers' Qwen3MoeForCausalLM."""
 import pytest
 
 from tests.integration import harness
-from tests.integration.test_generate import MAX_TOKENS, PROMPTS, generate_all
+from tests.integration.test_generate import MAX_TOKENS, PROMPTS, expected, generate_all
 from tests.reference import hf_greedy, hf_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -25,8 +25,7 @@ def server(model, tmp_path_factory):
 
 def test_concurrent_greedy_equals_transformers(server, model):
     completions = generate_all(server, PROMPTS, MAX_TOKENS)
-    assert [c.token_ids for c in completions] == [hf_greedy(model, p, n)
-                                                  for p, n in zip(PROMPTS, MAX_TOKENS)]
+    assert [c.token_ids for c in completions] == expected(model)
     info = server.client.model_info()
     assert info.tp_size == 1
 
@@ -54,5 +53,4 @@ def test_tensor_parallel_2_equals_transformers(model, tmp_path):
     finally:
         server.stop()
     assert info.tp_size == 2
-    assert [c.token_ids for c in completions] == [hf_greedy(model, p, n)
-                                                  for p, n in zip(PROMPTS[:3], MAX_TOKENS[:3])]
+    assert [c.token_ids for c in completions] == expected(model, PROMPTS[:3], MAX_TOKENS[:3])
