@@ -42,7 +42,8 @@ demo() {
   log=$(mktemp)
   "$VENV/bin/splitserve" serve --port "$port" --num-kv-blocks 512 >"$log" 2>&1 &
   pid=$!
-  trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -f "$log"' EXIT
+  # expanded now: the locals are gone when the EXIT trap runs
+  trap "kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -f '$log'" EXIT
   echo "splitserve serve started (pid $pid, gRPC on 127.0.0.1:$port); streaming a completion:" >&2
   if ! "$VENV/bin/splitserve" generate --address "127.0.0.1:$port" --wait 120 \
        --max-tokens 32 --temperature 0 "$prompt"; then
