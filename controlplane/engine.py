@@ -98,6 +98,7 @@ class RequestStream:
 @dataclass
 class _InFlight:
     out: SchedulerOutput
+    num_tokens: int
     reply: asyncio.Task
     started: float
 
@@ -302,7 +303,7 @@ class Engine:
                 return
             self._in_flight.popleft()
             self.num_steps += 1
-            self.deadline.observe(step.out.num_batched_tokens, time.monotonic() - step.started)
+            self.deadline.observe(step.num_tokens, time.monotonic() - step.started)
             self._process(step.out, result)
             await asyncio.sleep(0)  # let RPCs run between steps
 
@@ -315,13 +316,14 @@ class Engine:
         if out is None or not (out.scheduled or out.freed_slots):
             return False
         self.num_preemptions += out.num_preempted
+        num_tokens = out.num_batched_tokens
         # A step waits behind the ones sent before it: its deadline covers them too.
-        num_tokens = out.num_batched_tokens + sum(s.out.num_batched_tokens for s in self._in_flight)
+        queued = num_tokens + sum(s.num_tokens for s in self._in_flight)
         step = encode_step(next(self._step_ids), self._last_step_id, out)
         self._last_step_id = step.step_id
         reply = asyncio.ensure_future(self.dataplane.execute(
-            step, epoch, self.deadline.timeout_for(num_tokens)))
-        self._in_flight.append(_InFlight(out, reply, time.monotonic()))
+            step, epoch, self.deadline.timeout_for(queued)))
+        self._in_flight.append(_InFlight(out, num_tokens, reply, time.monotonic()))
         return True
 
     def _process(self, out: SchedulerOutput, result) -> None:

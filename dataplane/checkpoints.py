@@ -149,26 +149,17 @@ if __name__ == "__main__":
 
 
 @dataclass(frozen=True)
-class TinyQwen3Moe:
+class TinyQwen3Moe(TinyQwen3):
     """A small Qwen3-MoE. Layers are sparse unless listed in mlp_only_layers or off the
     decoder_sparse_step; dense layers use intermediate_size."""
-    vocab_size: int = 320
-    hidden_size: int = 64
     intermediate_size: int = 96
+    num_hidden_layers: int = 3
     moe_intermediate_size: int = 32
     num_experts: int = 8
     num_experts_per_tok: int = 2
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    num_hidden_layers: int = 3
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    max_position_embeddings: int = 512
-    tie_word_embeddings: bool = False
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
 
 
 def hf_moe_config(spec: TinyQwen3Moe):

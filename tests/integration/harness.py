@@ -117,6 +117,25 @@ def dataplane(model: pathlib.Path, tmp: pathlib.Path, link_address: str, *extra:
                     *extra], tmp / f"{name}.log")
 
 
+async def stream_outcome(call, cancel_after: int | None = None) -> str:
+    """Read an async Generate stream: "done", "cancelled" (we cancelled it after
+    `cancel_after` chunks) or the gRPC status name it ended with."""
+    import asyncio
+    import grpc
+    received = 0
+    try:
+        async for _ in call:
+            received += 1
+            if received == cancel_after:
+                call.cancel()
+                return "cancelled"
+    except grpc.aio.AioRpcError as e:
+        return e.code().name
+    except asyncio.CancelledError:
+        return "cancelled"
+    return "done"
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (from /proc), children first."""
     parents: dict[int, list[int]] = {}

@@ -8,7 +8,6 @@ import random
 import statistics
 import time
 
-import grpc
 import pytest
 
 from splitserve.client import AsyncClient
@@ -35,18 +34,7 @@ async def traffic(address: str, stop_at: float, seed: int) -> dict[str, int]:
         call = client.generate_stream(prompt, max_tokens=rng.randrange(1, 80), temperature=0.8,
                                       ignore_eos=True, timeout=0.2 if rng.random() < 0.1 else 60,
                                       stop=["ab"] if rng.random() < 0.2 else None)
-        try:
-            n = 0
-            async for _ in call:
-                n += 1
-                if n == cancel_after:
-                    call.cancel()
-                    return "cancelled"
-        except grpc.aio.AioRpcError as e:
-            return e.code().name
-        except asyncio.CancelledError:
-            return "cancelled"
-        return "done"
+        return await harness.stream_outcome(call, cancel_after)
 
     async def worker(client: AsyncClient) -> None:
         while time.monotonic() < stop_at:
