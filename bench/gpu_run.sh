@@ -21,12 +21,14 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) timeout 360 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf \
-             --maxfail=20 tests/dataplane/kernels tests/dataplane/test_gpu_runner.py \
-             tests/dataplane/test_moe_vs_hf.py 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
-    runner) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf -x \
-             tests/dataplane/test_gpu_runner.py tests/dataplane/kernels/test_model_backends.py \
-             2>&1 | tee "$OUT/runner.log" | tail -60 ;;
+    tests) timeout 560 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
+             --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
+             tests/dataplane/test_moe_vs_hf.py tests/dataplane/kernels > "$OUT/tests.log" 2>&1
+           grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -40 ;;
+    runner) timeout 400 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
+             --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
+             tests/dataplane/test_moe_vs_hf.py > "$OUT/runner.log" 2>&1
+           grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/runner.log" | tail -60 ;;
     kernels) timeout 150 python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 \
              | tee "$OUT/kernels.log" | tail -40 ;;
     moe) timeout 300 python3 bench/fused_moe.py --out "$OUT/fused_moe.json" 2>&1 | tail -30 ;;

@@ -60,6 +60,10 @@ class LinkConfig:
 
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.5  # silence after which the peer is lost
+    # Silence allowed while a data plane configures (sizes its KV cache, compiles kernels,
+    # captures CUDA graphs): a kernel compile holds the GIL, so its I/O thread may not heartbeat
+    # for seconds. A data plane that dies meanwhile is still seen at once (its connection drops).
+    configure_timeout_s: float = 600.0
     step_timeout_s: float = 120.0  # cap on the step deadline (see controlplane.deadline)
     retransmit_s: float = 0.25  # a step unanswered this long is sent again (then 2x, 4x, ...)
     hello_retry_s: float = 1.0  # the data plane repeats Hello until it is configured
@@ -75,6 +79,8 @@ class LinkConfig:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be > 0")
+        if self.configure_timeout_s < self.heartbeat_timeout_s:
+            raise ValueError("need configure_timeout_s >= heartbeat_timeout_s")
 
 
 def configure_socket(sock: zmq.Socket, config: LinkConfig, server: bool) -> None:

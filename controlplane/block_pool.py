@@ -4,6 +4,9 @@ The free queue is a doubly linked list threaded through the blocks themselves: t
 block, returning one, and pulling a cached-but-free block out of the middle on a prefix hit are
 all O(1). Freed blocks go to the tail and blocks are taken from the head, so the blocks freed
 longest ago (least recently used) are evicted from the prefix cache first.
+
+Blocks are created when first handed out (a small model on a large GPU can have millions): the
+never-used ones sit, by id, ahead of the queue, as if it had been filled with all of them.
 """
 
 from collections.abc import Iterable
@@ -66,29 +69,38 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, on_evict=None) -> None:
         assert num_blocks > 0
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self._num_blocks = num_blocks
+        self.blocks: list[KVBlock] = []  # those handed out at least once, by id
+        self.free_queue = FreeBlockQueue(())  # of those, the unreferenced ones
         self._on_evict = on_evict
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self._num_blocks - len(self.blocks) + self.free_queue.num_free
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in the order they are handed out (for tests and checks)."""
+        return [*range(len(self.blocks), self._num_blocks), *(b.block_id for b in self.free_queue)]
+
     def allocate(self, n: int) -> list[KVBlock]:
         assert n <= self.num_free_blocks, f"asked for {n} blocks, {self.num_free_blocks} free"
         out = []
         for _ in range(n):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None and self._on_evict is not None:
-                self._on_evict(block)
+            if len(self.blocks) < self._num_blocks:  # never used yet: first in line
+                block = KVBlock(len(self.blocks))
+                self.blocks.append(block)
+            else:
+                block = self.free_queue.popleft()
+                if block.block_hash is not None and self._on_evict is not None:
+                    self._on_evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out

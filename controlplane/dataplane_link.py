@@ -3,8 +3,9 @@
 One data plane is attached at a time. Its Hello is checked (protocol, model), answered with
 Configure in a new epoch, and it is attached once it reports Ready. It is lost when its
 connection drops (seen at once through a socket monitor), when it goes silent for
-`heartbeat_timeout_s` (it heartbeats from an I/O thread, also during a step), when a step reply
-misses its deadline, or when it reports a failed step. A step whose reply is late is sent again
+`heartbeat_timeout_s` (it heartbeats from an I/O thread, also during a step; while it
+configures, `configure_timeout_s`, since a kernel compile can keep that thread off the GIL),
+when a step reply misses its deadline, or when it reports a failed step. A step whose reply is late is sent again
 (with backoff) before its deadline, so a lost message costs a retransmission, not a data plane. Loss fails the step in flight with
 DataPlaneLost, and the lost data plane is told to exit (a Reject in its epoch).
 """
@@ -181,8 +182,11 @@ class DataPlaneLink:
             if peer is None:
                 continue
             now = time.monotonic()
-            if now - peer.last_heard > self.config.heartbeat_timeout_s:
-                self._lose(f"silent for more than {self.config.heartbeat_timeout_s}s")
+            limit = self.config.heartbeat_timeout_s if peer.info is not None \
+                else self.config.configure_timeout_s
+            if now - peer.last_heard > limit:
+                during = "" if peer.info is not None else " while configuring"
+                self._lose(f"silent for more than {limit}s{during}")
                 continue
             if peer.info is None and now - peer.configure_sent > self.config.hello_retry_s:
                 await self._configure(peer)  # Configure or Ready may have been lost on the way

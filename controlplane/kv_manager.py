@@ -116,7 +116,7 @@ class KVCacheManager:
             ids = [b.block_id for b in blocks]
             assert len(ids) == len(set(ids)), f"{request_id} holds a block twice: {ids}"
             holders.update(ids)
-        free = {b.block_id for b in self.pool.free_queue}
+        free = set(self.pool.free_block_ids())
         assert len(free) == self.pool.num_free_blocks
         for block in self.pool.blocks:
             assert block.ref_cnt >= 0

@@ -112,6 +112,8 @@ class ModelRunner:
         self.kv = kv_cache.allocate_kv_cache(layers, num_blocks, self.block_size, self.dtype,
                                              self.device, self.backend)
         self.batch = InputBatch(batch_limits, self.device)
+        if self.device.type == "cuda" and self.backend.name != "torch":  # torch: no kernels
+            self._compile_kernels(batch_limits, num_blocks)
         if self.device.type == "cuda" and not self.config.enforce_eager and \
                 self.backend.name != "torch":
             self.graphs = DecodeGraphs(self.model, limits.max_num_seqs,
@@ -146,18 +148,8 @@ class ModelRunner:
         layers = self.model.attention_layers()
         kv_cache.allocate_kv_cache(layers, num_blocks, self.block_size, self.dtype, self.device,
                                    self.backend)
-        arange = lambda n: torch.arange(n, device=self.device)  # noqa: E731
         rows = min(limits.max_num_seqs, num_tokens)
-        ctx = ForwardContext(
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            slot_mapping=arange(num_tokens), block_tables=arange(num_blocks).int()[None],
-            logits_indices=arange(rows), max_query_len=num_tokens, max_seq_len=num_tokens,
-            query_start_loc_host=[0, num_tokens], seq_lens_host=[num_tokens])
-        with forward_context(ctx):
-            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-                                arange(num_tokens))
-            logits = self.model.compute_logits(hidden)
+        logits = self._dummy_forward(num_tokens, num_blocks, rows)
         if logits is not None:
             ones = torch.ones(rows, device=self.device)
             sample(logits, SamplingBatch(
@@ -169,6 +161,39 @@ class ModelRunner:
                 max_logprobs=20, uses=Uses()))
         for layer in layers:
             layer.bind_kv_cache(torch.empty(0), torch.empty(0), self.backend)
+
+    def _compile_kernels(self, limits: BatchLimits, num_blocks: int) -> None:
+        """One eager prompt step per power-of-two length, so that the kernels' tile variants
+        compile now and not inside a served step: a Triton compile holds the GIL for up to
+        seconds, which would silence the link's heartbeats."""
+        num_tokens = 2
+        while True:
+            num_tokens = min(num_tokens, limits.max_num_batched_tokens)
+            self._dummy_forward(num_tokens, num_blocks, 1, store=False)
+            if num_tokens == limits.max_num_batched_tokens:
+                break
+            num_tokens *= 2
+        torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def _dummy_forward(self, num_tokens: int, num_blocks: int, rows: int,
+                       store: bool = True) -> torch.Tensor | None:
+        """A forward of one prompt of num_tokens over the bound KV cache (blocks reused modulo
+        num_blocks); store=False leaves the cache untouched. Returns the last `rows` logits."""
+        arange = lambda n: torch.arange(n, device=self.device)  # noqa: E731
+        blocks = arange(-(-num_tokens // self.block_size)) % num_blocks
+        slots = arange(num_tokens) if store else torch.full((num_tokens,), -1, device=self.device)
+        ctx = ForwardContext(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            slot_mapping=slots, block_tables=blocks.int()[None],
+            logits_indices=arange(num_tokens)[-rows:], max_query_len=num_tokens,
+            max_seq_len=num_tokens, query_start_loc_host=[0, num_tokens],
+            seq_lens_host=[num_tokens])
+        with forward_context(ctx):
+            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                                arange(num_tokens))
+            return self.model.compute_logits(hidden)
 
     # -- steps ---------------------------------------------------------------------------------
 

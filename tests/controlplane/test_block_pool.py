@@ -14,7 +14,7 @@ def test_allocate_takes_blocks_in_order_and_free_returns_them_to_the_tail():
     assert ids(a) == [0, 1] and ids(b) == [2, 3, 4]
     assert pool.num_free_blocks == 1 and pool.num_used_blocks == 5
     pool.free(reversed(a))
-    assert ids(pool.free_queue) == [5, 1, 0]
+    assert pool.free_block_ids() == [5, 1, 0]
     assert ids(pool.allocate(3)) == [5, 1, 0]
 
 
@@ -22,15 +22,15 @@ def test_touch_pulls_a_free_block_out_of_the_middle_of_the_queue():
     pool = BlockPool(4)
     blocks = pool.allocate(4)
     pool.free(blocks)
-    assert ids(pool.free_queue) == [0, 1, 2, 3]
+    assert pool.free_block_ids() == [0, 1, 2, 3]
     pool.touch([blocks[2]])
-    assert ids(pool.free_queue) == [0, 1, 3] and blocks[2].ref_cnt == 1
+    assert pool.free_block_ids() == [0, 1, 3] and blocks[2].ref_cnt == 1
     pool.touch([blocks[2]])
     assert blocks[2].ref_cnt == 2
     pool.free([blocks[2]])
-    assert ids(pool.free_queue) == [0, 1, 3]
+    assert pool.free_block_ids() == [0, 1, 3]
     pool.free([blocks[2]])
-    assert ids(pool.free_queue) == [0, 1, 3, 2]
+    assert pool.free_block_ids() == [0, 1, 3, 2]
 
 
 def test_freeing_more_than_taken_fails_loudly():
