@@ -50,11 +50,15 @@ class EngineConfig:
     # runs the current one, so neither side waits for the other (tokens still in flight are
     # placeholders in the scheduler).
     pipeline_depth: int = 2
+    # A stream's consumer is woken once this many tokens wait (or its last chunk): fewer, larger
+    # stream messages for less CPU per token, at the cost of smoothness (vLLM's --stream-interval).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        if self.reattach_timeout_s < 0 or self.max_step_failures < 1 or self.pipeline_depth < 1:
+        if self.reattach_timeout_s < 0 or self.max_step_failures < 1 or self.pipeline_depth < 1 \
+                or self.stream_interval < 1:
             raise ValueError("need reattach_timeout_s >= 0, max_step_failures >= 1, "
-                             "pipeline_depth >= 1")
+                             "pipeline_depth >= 1, stream_interval >= 1")
 
 
 class NotAccepting(Exception):
@@ -75,21 +79,53 @@ class Chunk:
     num_cached_tokens: int = 0
 
 
-class RequestStream:
-    """One request's chunks, consumed by its RPC. Bounded by construction: the engine puts at most
-    one chunk per step and a request lives at most max_tokens steps."""
+    @classmethod
+    def merge(cls, chunks: list["Chunk"]) -> "Chunk":
+        """Several steps' chunks as one (the last one may end the stream)."""
+        if len(chunks) == 1:
+            return chunks[0]
+        last = chunks[-1]
+        return cls([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+                   [lp for c in chunks for lp in c.logprobs], last.finish_reason,
+                   last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
 
-    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer) -> None:
+
+class RequestStream:
+    """One request's chunks, consumed by its RPC. The engine adds one chunk per step; a consumer
+    that fell behind (its last message still being written) gets all that piled up as one
+    chunk, so a busy server sends fewer, larger messages instead of falling further behind.
+    With `interval` > 1 the consumer is woken only once that many chunks wait (or the last one
+    came). Bounded: a request lives at most max_tokens steps."""
+
+    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer,
+                 interval: int = 1) -> None:
         self.request = request
         self.detokenizer = detokenizer
-        self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
+        self.interval = interval
+        self._chunks: list[Chunk] = []
+        self._waiter: asyncio.Future | None = None
+
+    def _ready(self) -> bool:
+        return len(self._chunks) >= self.interval or \
+            (bool(self._chunks) and self._chunks[-1].finish_reason is not None)
+
+    def put(self, chunk: Chunk) -> None:
+        self._chunks.append(chunk)
+        if self._waiter is not None and not self._waiter.done() and self._ready():
+            self._waiter.set_result(None)
 
     def __aiter__(self):
-        return self._chunks()
+        return self._iterate()
 
-    async def _chunks(self):
+    async def _iterate(self):
         while True:
-            chunk = await self.queue.get()
+            if not self._ready():
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+                self._waiter = None
+                continue
+            chunks, self._chunks = self._chunks, []
+            chunk = Chunk.merge(chunks)
             yield chunk
             if chunk.finish_reason is not None:
                 return
@@ -144,7 +180,8 @@ class Engine:
         if not self.accepting:
             raise NotAccepting("draining" if self.draining else "no data plane is attached")
         assert request.request_id not in self.streams, "request ids are unique among live requests"
-        stream = RequestStream(request, self.tokenizer.detokenizer(request.sampling.stop))
+        stream = RequestStream(request, self.tokenizer.detokenizer(request.sampling.stop),
+                               self.config.stream_interval)
         self.streams[request.request_id] = stream
         self._idle.clear()
         self.scheduler.add(request)
@@ -292,6 +329,9 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            # RPCs run now (they send the last step's chunks), after the next step has gone out:
+            # the device works while the stream messages are written.
+            await asyncio.sleep(0)
             step = self._in_flight[0]
             try:
                 result = await step.reply
@@ -305,7 +345,6 @@ class Engine:
             self.num_steps += 1
             self.deadline.observe(step.num_tokens, time.monotonic() - step.started)
             self._process(step.out, result)
-            await asyncio.sleep(0)  # let RPCs run between steps
 
     def _launch(self, epoch: int) -> bool:
         """Schedule a step and send it; False when there is nothing to send."""
@@ -347,7 +386,7 @@ class Engine:
                 chunk.text += stream.detokenizer.flush()
             self._end(stream, chunk, request.finish_reason)
         else:
-            stream.queue.put_nowait(chunk)
+            stream.put(chunk)
 
     def _end(self, stream: RequestStream, chunk: Chunk, reason: FinishReason) -> None:
         request = stream.request
@@ -355,7 +394,7 @@ class Engine:
         chunk.num_prompt_tokens = request.num_prompt_tokens
         chunk.num_output_tokens = request.num_output_tokens
         chunk.num_cached_tokens = request.num_cached_tokens or 0
-        stream.queue.put_nowait(chunk)
+        stream.put(chunk)
         del self.streams[request.request_id]
         if not self.streams:
             self._idle.set()

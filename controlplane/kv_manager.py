@@ -58,17 +58,19 @@ class KVCacheManager:
         """Blocks for `num_new_tokens` more tokens after the computed ones (after `hit` for a
         request being admitted). Returns the ids appended to its block table, or None when they
         do not fit (nothing changes then)."""
-        blocks = self.req_to_blocks.get(request.request_id, [])
+        blocks = self.req_to_blocks.get(request.request_id)
         num_computed = request.num_computed_tokens if blocks else hit.num_tokens
         assert not (blocks and hit.blocks), "a prefix hit is only for a request without blocks"
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new = num_needed - len(blocks) - len(hit.blocks)
+        if blocks and num_needed <= len(blocks):
+            return []  # a decode step inside its last block: most steps
+        num_new = num_needed - (len(blocks) if blocks else 0) - len(hit.blocks)
         num_revived = sum(1 for b in hit.blocks if b.ref_cnt == 0)
         if num_new + num_revived > self.pool.num_free_blocks:
             return None
         self.pool.touch(hit.blocks)
         added = [*hit.blocks, *self.pool.allocate(max(num_new, 0))]
-        self.req_to_blocks[request.request_id] = blocks + added
+        self.req_to_blocks.setdefault(request.request_id, []).extend(added)
         return [b.block_id for b in added]
 
     def cache_computed_blocks(self, request: Request) -> None:

@@ -45,6 +45,7 @@ class ControlPlaneConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     max_logprobs: int = 20
+    stream_interval: int = 1  # tokens a stream message waits for (the last may have fewer)
     reattach_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
     link: LinkConfig = field(default_factory=LinkConfig)
@@ -77,7 +78,8 @@ class ControlPlaneConfig:
                                     max_model_len=max_model_len,
                                     enable_prefix_caching=self.enable_prefix_caching)
         return EngineConfig(scheduler=scheduler, reattach_timeout_s=self.reattach_timeout_s,
-                            step_timeout_cap_s=self.link.step_timeout_s)
+                            step_timeout_cap_s=self.link.step_timeout_s,
+                            stream_interval=self.stream_interval)
 
 
 class ControlPlane:

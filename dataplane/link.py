@@ -39,6 +39,7 @@ class ControlPlaneLink:
         self._main.bind(self._inproc)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cp-link", daemon=True)
+        self._pollers: dict[zmq.Socket, zmq.Poller] = {}
         self.num_dropped = 0  # malformed, replayed or stale messages
 
     def start(self) -> None:
@@ -54,6 +55,18 @@ class ControlPlaneLink:
     def recv(self, timeout_s: float | None = None) -> tuple[bytes, bytes] | None:
         """The next (kind, payload) from the I/O thread; None on timeout."""
         if timeout_s is not None and not self._main.poll(int(timeout_s * 1000)):
+            return None
+        kind, payload = self._main.recv_multipart()
+        return kind, payload
+
+    def recv_or(self, other: zmq.Socket, timeout_s: float) -> tuple[bytes, bytes] | None:
+        """Like recv, but also return None as soon as `other` is readable (left unread)."""
+        poller = self._pollers.get(other)
+        if poller is None:
+            poller = self._pollers[other] = zmq.Poller()
+            poller.register(self._main, zmq.POLLIN)
+            poller.register(other, zmq.POLLIN)
+        if self._main not in dict(poller.poll(int(timeout_s * 1000))):
             return None
         kind, payload = self._main.recv_multipart()
         return kind, payload

@@ -4,7 +4,11 @@ the other ranks (raw protobuf bytes over the CPU group); every rank then runs th
 import collections
 import logging
 import pathlib
+import queue
+import threading
 import time
+
+import zmq
 
 from google.protobuf.message import DecodeError
 
@@ -91,6 +95,46 @@ def _configure(runner: ModelRunner, message: link_pb2.LinkMessage, state: EpochS
     return link_pb2.LinkMessage(epoch=message.epoch, ready=state.ready)
 
 
+class Completions:
+    """Tells the main loop the moment a submitted step's device work is done: a thread waits on
+    each step's CUDA event (which releases the GIL) and then writes to an inproc socket, so the
+    loop sleeps in one poll on the link and this socket and wakes at once for either, instead of
+    checking the event between polls of a fixed timeout."""
+
+    def __init__(self) -> None:
+        ctx = zmq.Context.instance()
+        address = f"inproc://completions-{id(self)}"
+        self.socket = ctx.socket(zmq.PULL)  # the main thread's end
+        self.socket.bind(address)
+        self._steps: queue.SimpleQueue[PendingStep | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(ctx, address),
+                                        name="completions", daemon=True)
+        self._thread.start()
+
+    def watch(self, pending: PendingStep) -> None:
+        if pending.done is not None:
+            self._steps.put(pending)
+
+    def drain(self) -> None:
+        while self.socket.poll(0):
+            self.socket.recv()
+
+    def close(self) -> None:
+        self._steps.put(None)
+        self._thread.join(timeout=2)
+        self.socket.close(linger=0)
+
+    def _run(self, ctx: zmq.Context, address: str) -> None:
+        push = ctx.socket(zmq.PUSH)
+        push.connect(address)
+        try:
+            while (pending := self._steps.get()) is not None:
+                pending.done.synchronize()
+                push.send(b"")
+        finally:
+            push.close(linger=0)
+
+
 class Rank0:
     """Rank 0's loop: relays control messages to the other ranks and runs them. While the
     device works on a step, it keeps reading the link and submits the next step as soon as it
@@ -104,6 +148,7 @@ class Rank0:
         self.pending: collections.deque[tuple[link_pb2.LinkMessage, PendingStep]] = collections.deque()
         # Steps that arrived before their predecessor, by the predecessor's id.
         self.early: dict[int, tuple[bytes, link_pb2.LinkMessage]] = {}
+        self.completions = Completions()
         self._idle_tick = link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()).SerializeToString()
 
     def run(self) -> None:
@@ -151,11 +196,13 @@ class Rank0:
         broadcast_bytes(payload)
         self.state.last_step_id = message.step.step_id
         try:
-            self.pending.append((message, self.runner.submit(message.step)))
+            pending = self.runner.submit(message.step)
         except Exception as e:  # the device state may be broken: report, then exit
             log.exception("step failed")
             _report_failure(self.link, message, e)
             raise
+        self.pending.append((message, pending))
+        self.completions.watch(pending)
         successor = self.early.pop(message.step.step_id, None)
         if successor is not None:
             self._on_step(*successor)
@@ -163,9 +210,11 @@ class Rank0:
     def _finish_oldest(self) -> None:
         message, pending = self.pending[0]
         while not pending.is_done():  # meanwhile, take in (and submit) the next steps
-            received = self.link.recv(timeout_s=0.001)
+            received = self.link.recv_or(self.completions.socket, timeout_s=0.1)
             if received is not None:
                 self._on_received(*received)
+            else:
+                self.completions.drain()
         self.pending.popleft()
         try:
             result = self.runner.finish(pending)

@@ -48,6 +48,11 @@ def _add_api(p: argparse.ArgumentParser) -> None:
                         "(default %(default)s)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="largest top-N a request may ask for (default %(default)s)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
+                   help="a stream message waits for this many tokens (the last one may have "
+                        "fewer): larger values send fewer messages, for less control-plane CPU "
+                        "per token with many streams (default %(default)s). Tokens that pile up "
+                        "while a message is being written go out together in any case")
     p.add_argument("--api-key-file", type=pathlib.Path, default=None,
                    help="require 'authorization: Bearer <key>' on every RPC but health; one key "
                         "per line")
@@ -233,7 +238,8 @@ def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
-        api_key_file=args.api_key_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        stream_interval=args.stream_interval, api_key_file=args.api_key_file,
+        tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, reattach_timeout_s=args.reattach_timeout,
         drain_timeout_s=args.drain_timeout, link=_link_config(args, server=True))
 

@@ -22,8 +22,10 @@ class Completion:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[generation_pb2.TokenLogprobs] = field(default_factory=list)
+    num_chunks: int = 0  # stream messages received (the server may put several tokens in one)
 
     def add(self, chunk: generation_pb2.GenerateResponse) -> None:
+        self.num_chunks += 1
         self.request_id = chunk.request_id
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)

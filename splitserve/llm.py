@@ -86,7 +86,10 @@ class LLM:
 
     async def _generate(self, prompts, samplings: list[dict]) -> list[Completion]:
         if self.engine is None:
-            self.engine = Engine(EngineConfig(self.scheduler_config), self.tokenizer, self.dataplane)
+            # Nobody reads the streams before they end: one chunk per request, not per token.
+            config = EngineConfig(self.scheduler_config,
+                                  stream_interval=self.scheduler_config.max_model_len)
+            self.engine = Engine(config, self.tokenizer, self.dataplane)
             self._task = asyncio.ensure_future(self.engine.run())
         await self.dataplane.attach()
         while not self.engine.accepting:

@@ -49,3 +49,11 @@ def test_allocating_a_cached_block_evicts_it():
     pool.free([a, b])
     pool.allocate(1)
     assert evicted == [a]
+
+
+def test_a_huge_pool_creates_blocks_only_when_first_handed_out():
+    pool = BlockPool(50_000_000)  # a tiny model on a large GPU
+    assert pool.num_free_blocks == 50_000_000 and len(pool.blocks) == 0
+    pool.free(pool.allocate(3))
+    assert len(pool.blocks) == 3
+    assert [b.block_id for b in pool.allocate(4)] == [3, 4, 5, 6]  # never-used ones first

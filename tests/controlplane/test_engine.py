@@ -68,6 +68,34 @@ def test_streams_complete_with_the_data_planes_tokens():
         assert chunks[-1].finish_reason is FinishReason.LENGTH
 
 
+def test_a_reader_that_falls_behind_gets_what_piled_up_in_one_chunk():
+    async def body(engine, dp):
+        stream = engine.add_request(make_request("a", PROMPTS["a"], max_tokens=12))
+        chunks = aiter(stream)
+        first = await anext(chunks)
+        await until(lambda: engine.num_steps >= 6)  # steps go on while nobody reads
+        return [first] + [chunk async for chunk in chunks]
+
+    chunks = run(body)
+    assert tokens_of(chunks) == expected_tokens(PROMPTS["a"], 12)
+    assert len(chunks[1].token_ids) >= 4  # several steps' tokens in one message
+    assert len(chunks) < 12 and chunks[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_stream_interval_sends_that_many_tokens_per_chunk_and_the_rest_at_the_end():
+    config = EngineConfig(SchedulerConfig(max_num_seqs=4, max_model_len=64), stream_interval=4)
+
+    async def body(engine, dp):
+        streams = {rid: engine.add_request(make_request(rid, p, max_tokens=10))
+                   for rid, p in PROMPTS.items()}
+        return {rid: await collect(s) for rid, s in streams.items()}
+
+    for rid, chunks in run(body, config).items():
+        assert tokens_of(chunks) == expected_tokens(PROMPTS[rid], 10)
+        assert all(len(c.token_ids) >= 4 for c in chunks[:-1]), [len(c.token_ids) for c in chunks]
+        assert chunks[-1].finish_reason is FinishReason.LENGTH
+
+
 def test_a_lost_data_plane_is_replaced_and_streams_continue_identically():
     async def body(engine, dp):
         dp.fail_at_step = (5, DataPlaneLost("killed"))

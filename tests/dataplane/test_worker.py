@@ -14,7 +14,7 @@ class RecordingRunner:
 
     def submit(self, step: link_pb2.Step):
         self.submitted.append(step.step_id)
-        return SimpleNamespace(is_done=lambda: True, step_id=step.step_id)
+        return SimpleNamespace(is_done=lambda: True, step_id=step.step_id, done=None)
 
     def finish(self, pending):
         return link_pb2.StepResult(step_id=pending.step_id)

@@ -239,3 +239,19 @@ def test_burst_beyond_the_queue_bound_fails_fast_while_admitted_requests_complet
         good_request(s)
     finally:
         s.stop()
+
+
+def test_stream_interval_sends_at_least_that_many_tokens_per_message(model, server, tmp_path):
+    s = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "256",
+                      "--stream-interval", "4")
+    try:
+        prompt = [5, 17, 99, 3]
+        chunks = list(s.client.generate_stream(prompt, max_tokens=18, temperature=0,
+                                               ignore_eos=True))
+    finally:
+        s.stop()
+    assert [len(c.token_ids) >= 4 for c in chunks[:-1]] == [True] * (len(chunks) - 1)
+    assert chunks[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    expected = server.client.generate(prompt, max_tokens=18, temperature=0, ignore_eos=True)
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text

@@ -1,0 +1,79 @@
+"""The control plane's CPU time per step with many streams, on any machine: `splitserve serve`
+on CPU with the small default model, N requests streamed at once through the gRPC client, and
+the control plane's own CPU seconds per step from GetLoad. The data plane's speed does not
+matter here (it is another process); this is the cost that paces split mode on a fast GPU.
+
+    python bench/controlplane_cpu.py --num-requests 256 --max-tokens 200
+"""
+
+import argparse
+import asyncio
+import json
+import pathlib
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from splitserve.client import AsyncClient, Client  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument("--out", type=pathlib.Path)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+    server = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--port", str(port),
+                               "--max-num-seqs", str(args.num_requests),
+                               "--max-waiting-requests", "4096",
+                               "--stream-interval", str(args.stream_interval)], cwd=ROOT, stdout=log, stderr=log)
+    address = f"127.0.0.1:{port}"
+    rng = random.Random(0)
+    prompts = [[rng.randint(1, 500) for _ in range(rng.randint(8, 32))]
+               for _ in range(args.num_requests)]
+
+    async def send_all():
+        async with AsyncClient(address) as client:
+            return await asyncio.gather(*(client.generate(p, max_tokens=args.max_tokens,
+                                                          temperature=0.6, ignore_eos=True)
+                                          for p in prompts))
+    try:
+        with Client(address) as client:
+            if not client.wait_until_serving(120):
+                raise SystemExit(f"server not serving; see {log.name}")
+            before = client.load()
+            start = time.perf_counter()
+            done = asyncio.run(send_all())
+            seconds = time.perf_counter() - start
+            after = client.load()
+    finally:
+        server.terminate()
+        server.wait(60)
+    steps = after.num_steps - before.num_steps
+    result = {
+        "num_requests": args.num_requests, "max_tokens": args.max_tokens,
+        "stream_interval": args.stream_interval, "num_steps": steps,
+        "output_tokens": sum(c.completion_tokens for c in done), "seconds": seconds,
+        "control_plane_cpu_ms_per_step":
+            1e3 * (after.control_plane_cpu_seconds - before.control_plane_cpu_seconds) / steps,
+        "stream_messages_per_token":
+            sum(c.num_chunks for c in done) / sum(c.completion_tokens for c in done)}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
