@@ -8,14 +8,17 @@ send step N+1 before step N's tokens are back). Block tables live on the host (f
 mapping) and are mirrored on the device (for the attention kernels); a step carries only their
 appended blocks. Counts (tokens, blocks) stay on the host: they are known when a step is built.
 Per step, the host computes positions, token indices and slot mappings with a few vectorized
-ops and moves them in one copy from a pinned staging buffer; no Python loop runs over tokens.
+numpy ops (a fraction of a torch CPU op's fixed cost each) straight into a pinned staging buffer
+and moves them in one copy; no Python loop runs over tokens. Sampling parameters live in a
+per-slot table mirrored on the device: a step gathers its rows there, and the host decides from
+its copy which sampling features run, so nothing waits for the device.
 """
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from common.wire import unpack_i32
 from dataplane.forward_context import ForwardContext
 from dataplane.sampler import SamplingBatch, Uses
 from protos import link_pb2
@@ -39,65 +42,79 @@ class StepInputs:
     token_ids: torch.Tensor  # [num_tokens] int64, device
     positions: torch.Tensor  # [num_tokens] int64, device
     context: ForwardContext
-    sampled_slots: torch.Tensor  # [num_sampled] int64, host: slots that produce a token
+    sampled_slots: np.ndarray  # [num_sampled] int64, host: slots that produce a token
+    sampled_slots_device: torch.Tensor  # the same, on the device
     # [num_sampled] int64, device: where each sampled token goes in the token table
     sampled_index: torch.Tensor
 
 
+def _i32(data: bytes) -> np.ndarray:
+    """A packed int32 array (common.wire) as a read-only numpy view of the message's bytes."""
+    return np.frombuffer(data, dtype=np.int32)
+
+
 class _SlotParams:
-    """Sampling parameters per slot, on the host, so a step gathers its rows at once."""
+    """Sampling parameters per slot: a host table (what the host decides on) and its mirror on
+    the device (what a step gathers its rows from), refreshed in a step that follows changes."""
+
+    # columns of the float table; top_k is exact in float32 (clamped below 2**24)
+    COLUMNS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "top_k")
+    TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION, TOP_K = range(7)
 
     def __init__(self, max_num_seqs: int) -> None:
-        zeros = lambda dtype: torch.zeros(max_num_seqs, dtype=dtype)  # noqa: E731
-        self.temperature = zeros(torch.float32)
-        self.top_k = zeros(torch.int64)
-        self.top_p = zeros(torch.float32)
-        self.min_p = zeros(torch.float32)
-        self.presence_penalty = zeros(torch.float32)
-        self.frequency_penalty = zeros(torch.float32)
-        self.repetition_penalty = zeros(torch.float32)
-        self.min_tokens = zeros(torch.int64)
-        self.num_logprobs = zeros(torch.int64)  # -1: none
+        self.table = np.zeros((max_num_seqs, len(self.COLUMNS)), dtype=np.float32)
+        self.device_table: torch.Tensor | None = None  # set by the first refresh
+        self.dirty = True
+        self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_logprobs = np.zeros(max_num_seqs, dtype=np.int64)  # -1: none
+        self.has_seed = np.zeros(max_num_seqs, dtype=bool)
         self.seeds: list[int | None] = [None] * max_num_seqs
-        self.suppressed: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * max_num_seqs
+        self.suppressed: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * max_num_seqs
 
     def set(self, slot: int, options: link_pb2.SamplingOptions) -> None:
-        self.temperature[slot] = options.temperature
-        self.top_k[slot] = options.top_k
-        self.top_p[slot] = options.top_p
-        self.min_p[slot] = options.min_p
-        self.presence_penalty[slot] = options.presence_penalty
-        self.frequency_penalty[slot] = options.frequency_penalty
-        self.repetition_penalty[slot] = options.repetition_penalty
+        self.table[slot] = (options.temperature, options.top_p, options.min_p,
+                            options.presence_penalty, options.frequency_penalty,
+                            options.repetition_penalty, min(options.top_k, 1 << 24))
+        self.dirty = True
         self.min_tokens[slot] = options.min_tokens
         self.num_logprobs[slot] = options.logprobs if options.HasField("logprobs") else -1
+        self.has_seed[slot] = options.HasField("seed")
         self.seeds[slot] = options.seed if options.HasField("seed") else None
-        self.suppressed[slot] = _i32_tensor(options.suppressed_token_ids).long()
-
-
-def _i32_tensor(data: bytes) -> torch.Tensor:
-    return torch.tensor(unpack_i32(data), dtype=torch.int32)
+        self.suppressed[slot] = _i32(options.suppressed_token_ids).astype(np.int64)
 
 
 class _Staging:
-    """Two pinned host buffers used in turn for the per-step host-to-device copy; a buffer is
-    reused only after the copy that read it has run (its event)."""
+    """Two pinned host buffers used in turn for host-to-device copies; a buffer is reused only
+    after the copy that read it has run (its event). They grow when a copy needs more."""
 
-    def __init__(self, size: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
+    def __init__(self, size: int, device: torch.device, dtype: torch.dtype = torch.int64) -> None:
         self.device = device
-        self.buffers = [torch.empty(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.events = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self.dtype = dtype
+        self.events = [torch.cuda.Event() if device.type == "cuda" else None for _ in range(2)]
         self.turn = 0
+        self._allocate(size)
 
-    def to_device(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copy int64 host tensors to the device in one transfer; returns device views."""
+    def _allocate(self, size: int) -> None:
+        for event in self.events:
+            if event is not None:
+                event.synchronize()
+        pin = self.device.type == "cuda"
+        self.buffers = [torch.empty(size, dtype=self.dtype, pin_memory=pin) for _ in range(2)]
+        self.arrays = [b.numpy() for b in self.buffers]  # the same memory, for numpy writes
+
+    def to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """Copy host arrays to the device in one transfer; returns device views."""
+        sizes = [len(p) for p in parts]
+        total = sum(sizes)
+        if total > self.buffers[0].numel():
+            self._allocate(max(total, 2 * self.buffers[0].numel()))
         i, self.turn = self.turn, 1 - self.turn
         if self.events[i] is not None:
             self.events[i].synchronize()
-        sizes = [p.numel() for p in parts]
-        host = self.buffers[i][:sum(sizes)]
-        torch.cat(parts, out=host)
+        if parts:
+            np.concatenate(parts, out=self.arrays[i][:total], casting="unsafe")
+        host = self.buffers[i][:total]
         if self.device.type == "cpu":
             return list(host.clone().split(sizes))
         device = host.to(self.device, non_blocking=True)
@@ -111,82 +128,93 @@ class InputBatch:
         self.device = device
         s, max_blocks = limits.max_num_seqs, limits.max_blocks_per_seq
         self.token_ids = torch.zeros(s, limits.max_model_len, dtype=torch.int32, device=device)
-        self.num_tokens = torch.zeros(s, dtype=torch.int64)
-        self.num_prompt_tokens = torch.zeros(s, dtype=torch.int64)
-        self.block_table = torch.zeros(s, max_blocks, dtype=torch.int32)
+        self.num_tokens = np.zeros(s, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(s, dtype=np.int64)
+        self.block_table = np.zeros((s, max_blocks), dtype=np.int32)
         self.block_table_device = torch.zeros(s, max_blocks, dtype=torch.int32, device=device)
-        self.num_blocks = torch.zeros(s, dtype=torch.int64)
+        self.num_blocks = np.zeros(s, dtype=np.int64)
         self.params = _SlotParams(s)
         # positions, token indices, slot mapping (per token); query starts, lengths, slots
-        # (per request); logits rows; block-table updates (three per new block)
+        # (per request); logits rows, sampled slots; block-table updates (three per new block)
         tokens, reqs = limits.max_num_batched_tokens, limits.max_num_seqs
-        self._staging = _Staging(3 * tokens + 5 * reqs + 2 + 3 * s * max_blocks, device)
+        self._staging = _Staging(3 * tokens + 6 * reqs + 2 + 3 * s * max_blocks, device)
+        self._param_staging = _Staging(self.params.table.size, device, torch.float32)
+        self._prompt_staging = _Staging(2 * (tokens + limits.max_model_len), device, torch.int32)
+        self._pending_blocks: tuple[np.ndarray, ...] | None = None
 
     # -- deltas --------------------------------------------------------------------------------
 
-    def apply(self, step: link_pb2.Step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Update slot state from the step's deltas; returns (slots, num_computed, num_scheduled)
-        as host tensors."""
-        for slot in unpack_i32(step.freed_slots):
-            self.num_tokens[slot] = 0
-            self.num_blocks[slot] = 0
-        for new in step.new_requests:
-            self._add(new)
-        slots = _i32_tensor(step.slots).long()
-        num_new_blocks = _i32_tensor(step.num_new_blocks).long()
+    def apply(self, step: link_pb2.Step) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Update slot state from the step's deltas; returns (slots, num_computed,
+        num_scheduled) as host arrays."""
+        freed = _i32(step.freed_slots)
+        self.num_tokens[freed] = 0
+        self.num_blocks[freed] = 0
+        if step.new_requests:
+            self._add(step.new_requests)
+        slots = _i32(step.slots).astype(np.int64)
         self._pending_blocks = None
         if len(step.new_block_ids):
-            self._append_blocks(slots, num_new_blocks, _i32_tensor(step.new_block_ids))
-        return (slots, _i32_tensor(step.num_computed_tokens).long(),
-                _i32_tensor(step.num_scheduled_tokens).long())
+            self._append_blocks(slots, _i32(step.num_new_blocks).astype(np.int64),
+                                _i32(step.new_block_ids))
+        return (slots, _i32(step.num_computed_tokens).astype(np.int64),
+                _i32(step.num_scheduled_tokens).astype(np.int64))
 
-    def _add(self, new: link_pb2.NewRequest) -> None:
-        tokens = _i32_tensor(new.token_ids)
-        assert len(tokens) <= self.limits.max_model_len, "request longer than max_model_len"
-        self.token_ids[new.slot, :len(tokens)] = tokens.to(self.device)
-        self.num_tokens[new.slot] = len(tokens)
-        self.num_prompt_tokens[new.slot] = new.num_prompt_tokens
-        self.num_blocks[new.slot] = 0
-        self.params.set(new.slot, new.sampling)
+    def _add(self, new_requests) -> None:
+        """Copy the new requests' tokens into the token table (one transfer, no wait for the
+        device) and record their counts and sampling parameters."""
+        max_len = self.limits.max_model_len
+        tokens = [_i32(new.token_ids) for new in new_requests]
+        for new, t in zip(new_requests, tokens):
+            assert len(t) <= max_len, "request longer than max_model_len"
+            self.num_tokens[new.slot] = len(t)
+            self.num_prompt_tokens[new.slot] = new.num_prompt_tokens
+            self.num_blocks[new.slot] = 0
+            self.params.set(new.slot, new.sampling)
+        index = np.concatenate([new.slot * max_len + np.arange(len(t))
+                                for new, t in zip(new_requests, tokens)])
+        values, index_d = self._prompt_staging.to_device([np.concatenate(tokens), index])
+        self.token_ids.view(-1)[index_d.long()] = values
 
-    def _append_blocks(self, slots: torch.Tensor, counts: torch.Tensor, block_ids: torch.Tensor) -> None:
-        owner = slots.repeat_interleave(counts)  # [num_new_blocks]: slot of each new block
-        first = torch.cumsum(counts, 0) - counts
-        column = self.num_blocks[owner] + torch.arange(len(block_ids)) - first.repeat_interleave(counts)
+    def _append_blocks(self, slots: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
+        owner = np.repeat(slots, counts)  # [num_new_blocks]: slot of each new block
+        first = np.cumsum(counts) - counts
+        column = self.num_blocks[owner] + np.arange(len(block_ids)) - np.repeat(first, counts)
         self.block_table[owner, column] = block_ids
-        self.num_blocks.index_add_(0, slots, counts)
-        self._pending_blocks = (owner, column, block_ids.long())  # mirrored in prepare()
+        np.add.at(self.num_blocks, slots, counts)
+        self._pending_blocks = (owner, column, block_ids)  # mirrored in prepare()
 
     # -- one step ------------------------------------------------------------------------------
 
-    def prepare(self, slots: torch.Tensor, num_computed: torch.Tensor,
-                num_scheduled: torch.Tensor) -> StepInputs:
+    def prepare(self, slots: np.ndarray, num_computed: np.ndarray,
+                num_scheduled: np.ndarray) -> StepInputs:
         block_size, max_len = self.limits.block_size, self.limits.max_model_len
         seq_lens = num_computed + num_scheduled
-        assert bool((seq_lens <= self.num_tokens[slots]).all()), "scheduled past the known tokens"
-        assert bool((seq_lens <= self.num_blocks[slots] * block_size).all()), "tokens without blocks"
-        query_start_loc = torch.zeros(len(slots) + 1, dtype=torch.int64)
-        torch.cumsum(num_scheduled, 0, out=query_start_loc[1:])
-        token_slot = slots.repeat_interleave(num_scheduled)  # [num_tokens]
-        positions = (torch.arange(int(query_start_loc[-1]))
-                     - (query_start_loc[:-1] - num_computed).repeat_interleave(num_scheduled))
-        slot_mapping = (self.block_table[token_slot, positions // block_size].long() * block_size
-                        + positions % block_size)
+        assert (seq_lens <= self.num_tokens[slots]).all(), "scheduled past the known tokens"
+        assert (seq_lens <= self.num_blocks[slots] * block_size).all(), "tokens without blocks"
+        query_start_loc = np.zeros(len(slots) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        token_slot = np.repeat(slots, num_scheduled)  # [num_tokens]
+        positions = (np.arange(query_start_loc[-1])
+                     - np.repeat(query_start_loc[:-1] - num_computed, num_scheduled))
+        slot_mapping = (self.block_table[token_slot, positions // block_size].astype(np.int64)
+                        * block_size + positions % block_size)
         is_sampled = seq_lens == self.num_tokens[slots]
         logits_indices = query_start_loc[1:][is_sampled] - 1
-        sampled_index = (slots * max_len + seq_lens)[is_sampled]
+        sampled_slots = slots[is_sampled]
+        sampled_index = sampled_slots * max_len + seq_lens[is_sampled]
         parts = [positions, token_slot * max_len + positions, slot_mapping, query_start_loc,
-                 seq_lens, slots, logits_indices, sampled_index]
+                 seq_lens, slots, logits_indices, sampled_index, sampled_slots]
         if self._pending_blocks is not None:
             parts.extend(self._pending_blocks)
         device_parts = self._staging.to_device(parts)
         positions_d, token_index_d, slot_mapping_d, qsl_d, seq_lens_d, slots_d, logits_d, \
-            sampled_index_d = device_parts[:8]
+            sampled_index_d, sampled_slots_d = device_parts[:9]
         if self._pending_blocks is not None:
-            owner_d, column_d, ids_d = device_parts[8:]
+            owner_d, column_d, ids_d = device_parts[9:]
             self.block_table_device[owner_d, column_d] = ids_d.int()
             self._pending_blocks = None
-        max_blocks = int((-(-seq_lens // block_size)).max())
+        max_blocks = int(-(-seq_lens.max() // block_size))
         seq_lens_host = seq_lens.tolist()
         context = ForwardContext(
             query_start_loc=qsl_d.int(), seq_lens=seq_lens_d.int(), slot_mapping=slot_mapping_d,
@@ -195,53 +223,62 @@ class InputBatch:
             max_seq_len=max(seq_lens_host), query_start_loc_host=query_start_loc.tolist(),
             seq_lens_host=seq_lens_host)
         token_ids = self.token_ids.view(-1)[token_index_d].long()
-        return StepInputs(token_ids, positions_d, context, slots[is_sampled], sampled_index_d)
+        return StepInputs(token_ids, positions_d, context, sampled_slots, sampled_slots_d,
+                          sampled_index_d)
 
     def append_sampled(self, inputs: StepInputs, token_ids: torch.Tensor) -> None:
         """Record tokens sampled on the device (their values stay there)."""
         self.token_ids.view(-1)[inputs.sampled_index] = token_ids.to(torch.int32)
         self.num_tokens[inputs.sampled_slots] += 1
 
-    def sampling_batch(self, slots: torch.Tensor) -> SamplingBatch:
-        p = self.params
+    def sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
+        p, c = self.params, _SlotParams
+        slots = inputs.sampled_slots
+        if p.dirty or p.device_table is None:
+            [table] = self._param_staging.to_device([p.table.reshape(-1)])
+            p.device_table, p.dirty = table.view(p.table.shape), False
+        rows = p.device_table[inputs.sampled_slots_device]  # [rows, columns], device
+        host = p.table[slots]  # the same, host
         num_output = self.num_tokens[slots] - self.num_prompt_tokens[slots]
-        rows = slots.tolist()
-        dev = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        temperature, top_k, top_p, min_p = (p.temperature[slots], p.top_k[slots], p.top_p[slots],
-                                            p.min_p[slots])
+        seeded = bool(p.has_seed[slots].any())
+        penalized = bool(((host[:, c.REPETITION] != 1) | (host[:, c.PRESENCE] != 0)
+                          | (host[:, c.FREQUENCY] != 0)).any())
         batch = SamplingBatch(
-            temperature=dev(temperature), top_k=dev(top_k), top_p=dev(top_p), min_p=dev(min_p),
-            presence_penalty=dev(p.presence_penalty[slots]),
-            frequency_penalty=dev(p.frequency_penalty[slots]),
-            repetition_penalty=dev(p.repetition_penalty[slots]),
-            seeds=[p.seeds[s] for s in rows], output_index=num_output.tolist(),
+            temperature=rows[:, c.TEMPERATURE], top_k=rows[:, c.TOP_K].long(),
+            top_p=rows[:, c.TOP_P], min_p=rows[:, c.MIN_P],
+            presence_penalty=rows[:, c.PRESENCE], frequency_penalty=rows[:, c.FREQUENCY],
+            repetition_penalty=rows[:, c.REPETITION],
+            seeds=[p.seeds[s] for s in slots.tolist()] if seeded else [],
+            output_index=num_output.tolist() if seeded else [],
             output_counts=None, prompt_mask=None, suppress_mask=None,
-            max_logprobs=int(p.num_logprobs[slots].max()) if rows else -1,
-            uses=Uses.of(temperature, top_k, top_p, min_p))
-        if bool(((p.repetition_penalty[slots] != 1) | (p.presence_penalty[slots] != 0)
-                 | (p.frequency_penalty[slots] != 0)).any()):
-            batch.output_counts, batch.prompt_mask = self._token_counts(slots)
-        needs_suppress = (num_output < p.min_tokens[slots]).tolist()
-        if any(needs_suppress):
-            mask = torch.zeros(len(rows), self.limits.vocab_size, dtype=torch.bool)
-            for row, slot in enumerate(rows):
-                if needs_suppress[row]:
-                    mask[row, p.suppressed[slot]] = True
-            batch.suppress_mask = dev(mask)
+            max_logprobs=int(p.num_logprobs[slots].max()) if len(slots) else -1,
+            uses=Uses(all_greedy=bool((host[:, c.TEMPERATURE] == 0).all()),
+                      top_k=bool((host[:, c.TOP_K] > 0).any()),
+                      top_p=bool((host[:, c.TOP_P] < 1).any()),
+                      min_p=bool((host[:, c.MIN_P] > 0).any())))
+        if penalized:
+            batch.output_counts, batch.prompt_mask = self._token_counts(inputs)
+        needs_suppress = num_output < p.min_tokens[slots]
+        if needs_suppress.any():
+            mask = torch.zeros(len(slots), self.limits.vocab_size, dtype=torch.bool)
+            for row in np.flatnonzero(needs_suppress).tolist():
+                mask[row, torch.from_numpy(p.suppressed[slots[row]])] = True
+            batch.suppress_mask = mask.to(self.device, non_blocking=True)
         return batch
 
-    def _token_counts(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_counts(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Output-token counts and prompt-token presence, [rows, vocab] each, on the device."""
-        vocab = self.limits.vocab_size
+        slots, vocab = inputs.sampled_slots, self.limits.vocab_size
         width = int(self.num_tokens[slots].max())
-        slots_d = slots.to(self.device)
-        tokens = self.token_ids[slots_d, :width].long()  # [rows, width]
+        tokens = self.token_ids[inputs.sampled_slots_device, :width].long()  # [rows, width]
         positions = torch.arange(width, device=self.device)
-        num_prompt = self.num_prompt_tokens[slots].to(self.device).unsqueeze(1)
-        num_tokens = self.num_tokens[slots].to(self.device).unsqueeze(1)
+        to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        num_prompt = to_device(self.num_prompt_tokens[slots]).unsqueeze(1)
+        num_tokens = to_device(self.num_tokens[slots]).unsqueeze(1)
         is_prompt = positions < num_prompt
         is_output = ~is_prompt & (positions < num_tokens)
         zeros = torch.zeros(len(slots), vocab, device=self.device)
         counts = zeros.scatter_add(1, tokens, is_output.float())
         prompt = zeros.scatter_add(1, tokens, is_prompt.float()) > 0
         return counts, prompt
+

@@ -9,6 +9,7 @@ import pathlib
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -56,7 +57,7 @@ class PendingStep:
     step_id: int
     started: float
     submitted: float
-    sampled_slots: torch.Tensor  # host
+    sampled_slots: np.ndarray  # host
     out: SamplerOutput | None  # rank 0
     host_tokens: torch.Tensor | None  # host copy being filled
     done: torch.cuda.Event | None
@@ -221,11 +222,11 @@ class ModelRunner:
         started = time.perf_counter()
         logits, inputs = self.forward(step)
         out, host_tokens, done = None, None, None
-        sampled_slots = inputs.sampled_slots if inputs is not None else torch.empty(0, dtype=torch.int64)
+        sampled_slots = inputs.sampled_slots if inputs is not None else np.empty(0, np.int64)
         if len(sampled_slots):
             token_ids = torch.empty(len(sampled_slots), dtype=torch.int64, device=self.device)
             if tp_rank() == 0:
-                out = sample(logits, self.batch.sampling_batch(sampled_slots))
+                out = sample(logits, self.batch.sampling_batch(inputs))
                 token_ids = out.token_ids
             broadcast_from_rank0(token_ids)
             self.batch.append_sampled(inputs, token_ids)
@@ -262,12 +263,12 @@ class ModelRunner:
 
 
 def _result(step_id: int, token_ids: list[int], out: SamplerOutput | None, batch: InputBatch,
-            sampled_slots: torch.Tensor, timings: link_pb2.Timings) -> link_pb2.StepResult:
+            sampled_slots: np.ndarray, timings: link_pb2.Timings) -> link_pb2.StepResult:
     result = link_pb2.StepResult(step_id=step_id, sampled_token_ids=pack_i32(token_ids),
                                  timings=timings)
     if out is None or out.logprobs is None:
         return result
-    wanted = batch.params.num_logprobs[sampled_slots]  # [rows]: -1 none, else N
+    wanted = torch.from_numpy(batch.params.num_logprobs[sampled_slots])  # [rows]: -1 none, else N
     rows = (wanted >= 0).nonzero().squeeze(1)
     n = wanted[rows]
     keep = torch.arange(out.top_token_ids.shape[1]) < n.unsqueeze(1)  # [rows, max_n]
