@@ -22,6 +22,7 @@ from dataplane.forward_context import ForwardContext, forward_context
 from dataplane.input_batch import BatchLimits, InputBatch, StepInputs
 from dataplane.loader import load_config, load_model, resolve_dtype
 from dataplane.sampler import SamplerOutput, SamplingBatch, Uses, sample
+from dataplane.sampler import compile_kernels as compile_sampler_kernels
 from protos import link_pb2
 
 
@@ -170,10 +171,12 @@ class ModelRunner:
         num_tokens = 2
         while True:
             num_tokens = min(num_tokens, limits.max_num_batched_tokens)
-            self._dummy_forward(num_tokens, num_blocks, 1, store=False)
+            logits = self._dummy_forward(num_tokens, num_blocks, 1, store=False)
             if num_tokens == limits.max_num_batched_tokens:
                 break
             num_tokens *= 2
+        if logits is not None:
+            compile_sampler_kernels(logits)
         torch.cuda.synchronize()
 
     @torch.inference_mode()

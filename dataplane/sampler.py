@@ -8,8 +8,14 @@ device to answer a question like "does any row use top-k?".
 Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p. A seeded row
 draws its q from a generator seeded by (seed, output index), so its tokens depend on its own seed
 and logits only, not on the rest of the batch, nor on how many times it was recomputed.
+
+On CUDA, when no row truncates (top-k, top-p, min-p), the draw is one fused kernel over the
+logits instead (dataplane.kernels.gumbel_sample: the Gumbel-max form of the same race, with
+Philox noise keyed by the same (seed, output index)); a step's logits are the largest tensor the
+sampler touches, and the unfused path passes over them about ten times.
 """
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +51,8 @@ class SamplingBatch:
     presence_penalty: torch.Tensor  # [rows] float32
     frequency_penalty: torch.Tensor  # [rows] float32
     repetition_penalty: torch.Tensor  # [rows] float32; 1 = off
-    seeds: list[int | None]  # per row
-    output_index: list[int]  # per row: how many output tokens the row has already
+    seeds: list[int | None]  # per row; may be empty when no row is seeded
+    output_index: list[int]  # per row: how many output tokens the row has already (with seeds)
     # Penalties: [rows, vocab] counts of each token among the outputs, and a prompt-presence mask;
     # None when no row has a penalty.
     output_counts: torch.Tensor | None
@@ -67,9 +73,9 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [rows, vocab]. Logprobs come from the unmodified model distribution."""
-    logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
-    logits = apply_penalties(logits, batch)
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if batch.max_logprobs >= 0 else None
+    if batch.output_counts is not None:
+        logits = apply_penalties(logits.float(), batch)
     if batch.suppress_mask is not None:
         logits = logits.masked_fill(batch.suppress_mask, float("-inf"))
     token_ids = _choose(logits, batch)
@@ -95,9 +101,13 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    greedy = logits.argmax(dim=-1)
     if batch.uses.all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)
+    uses = batch.uses
+    if logits.is_cuda and not (uses.top_k or uses.top_p or uses.min_p):
+        return _fused_draw(logits, batch)
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
     is_greedy = batch.temperature == 0
     probs = sampling_probs(logits, batch)
     random = (probs / _exponential_noise(probs, batch)).argmax(dim=-1)
@@ -135,11 +145,43 @@ def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+_STEP_SEEDS = random.Random()  # unseeded rows: a fresh key per step
+
+
+def _fused_draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    from dataplane.kernels.gumbel_sample import gumbel_sample  # CUDA only: imports triton
+    row_seeds = None
+    if any(seed is not None for seed in batch.seeds):
+        base = _STEP_SEEDS.getrandbits(62)
+        row_seeds = torch.tensor(
+            [base + row if seed is None else _seed_key(seed, batch.output_index[row])
+             for row, seed in enumerate(batch.seeds)], dtype=torch.int64
+        ).to(logits.device, non_blocking=True)
+    return gumbel_sample(logits, batch.temperature.float(), _STEP_SEEDS.getrandbits(62),
+                         row_seeds)
+
+
+def compile_kernels(logits: torch.Tensor) -> None:
+    """Compile the fused draw for these logits (a step's dtype and vocabulary), seeded and not."""
+    rows = logits.shape[0]
+    ones = torch.ones(rows, device=logits.device)
+    for seeds in ([None] * rows, [0] * rows):
+        _fused_draw(logits, SamplingBatch(
+            temperature=ones, top_k=ones.long(), top_p=ones, min_p=ones * 0,
+            presence_penalty=ones * 0, frequency_penalty=ones * 0, repetition_penalty=ones,
+            seeds=seeds, output_index=[0] * rows, output_counts=None, prompt_mask=None,
+            suppress_mask=None, max_logprobs=-1))
+
+
+def _seed_key(seed: int, output_index: int) -> int:
+    return (seed * _SEED_MIX + output_index) % (1 << 63)
+
+
 def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     noise = torch.empty_like(probs).exponential_()
     for row, seed in enumerate(batch.seeds):
         if seed is not None:
             generator = torch.Generator(device=probs.device)
-            generator.manual_seed((seed * _SEED_MIX + batch.output_index[row]) % (1 << 63))
+            generator.manual_seed(_seed_key(seed, batch.output_index[row]))
             noise[row].exponential_(generator=generator)
     return noise

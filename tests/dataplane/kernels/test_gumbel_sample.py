@@ -1,0 +1,65 @@
+"""The fused Gumbel-max sampler: greedy rows equal torch.argmax (ties to the lowest id), a seeded
+row's token depends only on its logits and seed, and draws follow softmax(logits / T) as the
+torch reference's do."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dataplane.kernels.gumbel_sample import gumbel_sample, gumbel_sample_ref  # noqa: E402
+from tests.dataplane.kernels.helpers import KERNEL_MARKS, on_gpu, randn, skip_unsupported  # noqa: E402
+
+pytestmark = KERNEL_MARKS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 1000, 151936])
+def test_greedy_rows_are_the_argmax_with_ties_to_the_lowest_id(dtype, vocab, device, gen):
+    skip_unsupported(dtype, device)
+    if vocab > 10000 and not on_gpu(device):
+        pytest.skip("a full vocabulary is slow under the interpreter")
+    rows = 5
+    logits = randn(rows, vocab, dtype=dtype, device=device, gen=gen, scale=3.0)
+    logits[1, vocab // 2] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie across blocks
+    logits[2, :] = 0.5  # all tied
+    zeros = torch.zeros(rows, device=device)
+    got = gumbel_sample(logits, zeros, base_seed=1, block=256)
+    assert got.tolist() == logits.float().argmax(dim=-1).tolist()
+
+
+def test_a_seeded_row_depends_on_its_logits_and_seed_only(device, gen):
+    vocab = 300
+    logits = randn(6, vocab, dtype=torch.float32, device=device, gen=gen)
+    logits[3] = logits[0]
+    t = torch.full((6,), 0.8, device=device)
+    seeds = torch.tensor([11, 12, 13, 11, 14, 15], device=device)
+    first = gumbel_sample(logits, t, base_seed=5, row_seeds=seeds)
+    again = gumbel_sample(logits[[3, 0]], t[:2], base_seed=999, row_seeds=seeds[[3, 0]])
+    assert first[0] == first[3] == again[0] == again[1]
+    # unseeded rows change with the step's key
+    draws = {tuple(gumbel_sample(logits, t, base_seed=s).tolist()) for s in range(5)}
+    assert len(draws) > 1
+
+
+def test_draws_follow_softmax_of_logits_over_temperature(device, gen):
+    rows, vocab, temperature = 4000 if on_gpu(device) else 1500, 6, 0.7
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")])
+    logits = base.repeat(rows, 1).to(device)
+    t = torch.full((rows,), temperature, device=device)
+    got = torch.bincount(gumbel_sample(logits, t, base_seed=1234).cpu(), minlength=vocab)
+    ref = torch.bincount(gumbel_sample_ref(logits, t, gen).cpu(), minlength=vocab)
+    expected = torch.softmax(base / temperature, dim=0)
+    sigma = (expected * (1 - expected) / rows).sqrt()
+    assert got[-1] == 0 and ref[-1] == 0  # a masked token is never drawn
+    assert ((got / rows - expected).abs() <= 4 * sigma + 1e-9).all(), (got / rows, expected)
+    assert ((ref / rows - expected).abs() <= 4 * sigma + 1e-9).all(), (ref / rows, expected)
+
+
+def test_mixed_greedy_and_sampled_rows_of_a_strided_temperature(device, gen):
+    logits = randn(4, 50, dtype=torch.float32, device=device, gen=gen, scale=4.0)
+    params = torch.tensor([[0.0, 1.0], [1.0, 1.0], [0.0, 1.0], [1e-4, 1.0]], device=device)
+    got = gumbel_sample(logits, params[:, 0], base_seed=3)
+    argmax = logits.argmax(dim=-1)
+    assert got[0] == argmax[0] and got[2] == argmax[2]
+    assert got[3] == argmax[3]  # a tiny temperature is as good as greedy at this scale
