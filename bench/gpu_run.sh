@@ -27,7 +27,8 @@ for stage in "$@"; do
            grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -40 ;;
     runner) timeout 400 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
-             tests/dataplane/test_moe_vs_hf.py > "$OUT/runner.log" 2>&1
+             tests/dataplane/test_moe_vs_hf.py tests/dataplane/kernels/test_gumbel_sample.py \
+             > "$OUT/runner.log" 2>&1
            grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/runner.log" | tail -60 ;;
     kernels) timeout 150 python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 \
              | tee "$OUT/kernels.log" | tail -40 ;;
