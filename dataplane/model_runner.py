@@ -124,6 +124,15 @@ class ModelRunner:
             self.graphs.capture()
         return num_blocks
 
+    def release(self) -> None:
+        """Drop the model, KV cache and graphs, and give their device memory back (another
+        process on the same GPU sizes its KV cache from what is free)."""
+        self.kv = self.graphs = self.batch = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     def _kv_budget(self, limits: BatchLimits) -> int:
         """Bytes for the KV cache. On CUDA: the configured share of the device, less what is in
         use (weights, context) and the peak of a worst-case step (a full prefill plus sampling

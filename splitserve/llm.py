@@ -117,7 +117,9 @@ class LLM:
         return completion
 
     def close(self) -> None:
+        """Stop the engine and free the device memory the model and KV cache held."""
         if self.engine is not None:
             self.engine.close()
             self.loop.run_until_complete(asyncio.gather(self._task, return_exceptions=True))
         self.loop.close()
+        self.runner.release()
