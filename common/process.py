@@ -1,9 +1,22 @@
 """Process helpers shared by the launchers."""
 
 import ctypes
+import gc
 import os
 import signal
 import sys
+
+# Young-generation collections every 50k allocations instead of 700: a step allocates a few
+# objects per request, and with the default the collector ran many times per step (measured
+# with bench/engine_cpu.py: 0.96 -> 0.75 ms of engine time per step, 256 streams).
+_GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def tune_gc() -> None:
+    """For a serving loop: collect young objects less often, and move everything alive now
+    (modules, the model's Python objects) out of the collector's sight."""
+    gc.set_threshold(*_GC_THRESHOLDS)
+    gc.freeze()
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -65,7 +65,7 @@ class NotAccepting(Exception):
     """The engine takes no new requests now (no data plane, or draining)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """What one step adds to one request's stream."""
 
@@ -79,40 +79,53 @@ class Chunk:
     num_cached_tokens: int = 0
 
 
-    @classmethod
-    def merge(cls, chunks: list["Chunk"]) -> "Chunk":
-        """Several steps' chunks as one (the last one may end the stream)."""
-        if len(chunks) == 1:
-            return chunks[0]
-        last = chunks[-1]
-        return cls([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
-                   [lp for c in chunks for lp in c.logprobs], last.finish_reason,
-                   last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
 
 
 class RequestStream:
-    """One request's chunks, consumed by its RPC. The engine adds one chunk per step; a consumer
-    that fell behind (its last message still being written) gets all that piled up as one
-    chunk, so a busy server sends fewer, larger messages instead of falling further behind.
-    With `interval` > 1 the consumer is woken only once that many chunks wait (or the last one
-    came). Bounded: a request lives at most max_tokens steps."""
+    """One request's output, consumed by its RPC. The engine adds each step's token; the consumer
+    takes everything added since it last looked as one chunk, so a consumer that fell behind (its
+    last message still being written) sends fewer, larger messages instead of falling further
+    behind. With `interval` > 1 it is woken only once that many tokens wait (or the request
+    ended). Nothing is kept per token but the token, its text and its logprobs."""
 
     def __init__(self, request: Request, detokenizer: IncrementalDetokenizer,
                  interval: int = 1) -> None:
         self.request = request
         self.detokenizer = detokenizer
         self.interval = interval
-        self._chunks: list[Chunk] = []
+        self._token_ids: list[int] = []
+        self._texts: list[str] = []
+        self._logprobs: list[TokenLogprobs] = []
+        self._last: Chunk | None = None  # set when the request ended: reason and usage
         self._waiter: asyncio.Future | None = None
 
-    def _ready(self) -> bool:
-        return len(self._chunks) >= self.interval or \
-            (bool(self._chunks) and self._chunks[-1].finish_reason is not None)
+    def add(self, token_id: int, text: str, logprobs: TokenLogprobs | None) -> None:
+        self._token_ids.append(token_id)
+        if text:
+            self._texts.append(text)
+        if logprobs is not None:
+            self._logprobs.append(logprobs)
+        if len(self._token_ids) >= self.interval:
+            self._wake()
 
-    def put(self, chunk: Chunk) -> None:
-        self._chunks.append(chunk)
-        if self._waiter is not None and not self._waiter.done() and self._ready():
+    def end(self, last: Chunk) -> None:
+        """The request ended: `last` carries the reason and usage (and no tokens)."""
+        self._last = last
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def _ready(self) -> bool:
+        return len(self._token_ids) >= self.interval or self._last is not None
+
+    def _take(self) -> Chunk:
+        chunk = self._last or Chunk()
+        chunk.token_ids, chunk.text, chunk.logprobs = \
+            self._token_ids, "".join(self._texts), self._logprobs
+        self._token_ids, self._texts, self._logprobs = [], [], []
+        return chunk
 
     def __aiter__(self):
         return self._iterate()
@@ -124,8 +137,7 @@ class RequestStream:
                 await self._waiter
                 self._waiter = None
                 continue
-            chunks, self._chunks = self._chunks, []
-            chunk = Chunk.merge(chunks)
+            chunk = self._take()
             yield chunk
             if chunk.finish_reason is not None:
                 return
@@ -194,7 +206,7 @@ class Engine:
         if stream is None:
             return False
         self.scheduler.finish(stream.request, reason)
-        self._end(stream, Chunk(), reason)
+        self._end(stream, reason)
         return True
 
     def load(self) -> tuple[int, int, int, int]:
@@ -351,7 +363,7 @@ class Engine:
         out = self.scheduler.schedule() if self.scheduler.has_work else None
         for request in out.failed if out else ():
             log.error("request %s needs more KV blocks than the data plane has", request.request_id)
-            self._end(self.streams[request.request_id], Chunk(), FinishReason.ERROR)
+            self._end(self.streams[request.request_id], FinishReason.ERROR)
         if out is None or not (out.scheduled or out.freed_slots):
             return False
         self.num_preemptions += out.num_preempted
@@ -378,23 +390,21 @@ class Engine:
     def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
         stream = self.streams[request.request_id]
         text, stopped = stream.detokenizer.add(token)
-        chunk = Chunk([token], text, [logprobs] if logprobs else [])
         if stopped and not request.is_finished:
             self.scheduler.finish(request, FinishReason.STOP)
         if request.is_finished:
             if not stopped:
-                chunk.text += stream.detokenizer.flush()
-            self._end(stream, chunk, request.finish_reason)
+                text += stream.detokenizer.flush()
+            stream.add(token, text, logprobs)
+            self._end(stream, request.finish_reason)
         else:
-            stream.put(chunk)
+            stream.add(token, text, logprobs)
 
-    def _end(self, stream: RequestStream, chunk: Chunk, reason: FinishReason) -> None:
+    def _end(self, stream: RequestStream, reason: FinishReason) -> None:
         request = stream.request
-        chunk.finish_reason = reason
-        chunk.num_prompt_tokens = request.num_prompt_tokens
-        chunk.num_output_tokens = request.num_output_tokens
-        chunk.num_cached_tokens = request.num_cached_tokens or 0
-        stream.put(chunk)
+        stream.end(Chunk(finish_reason=reason, num_prompt_tokens=request.num_prompt_tokens,
+                         num_output_tokens=request.num_output_tokens,
+                         num_cached_tokens=request.num_cached_tokens or 0))
         del self.streams[request.request_id]
         if not self.streams:
             self._idle.set()

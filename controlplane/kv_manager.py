@@ -59,11 +59,13 @@ class KVCacheManager:
         request being admitted). Returns the ids appended to its block table, or None when they
         do not fit (nothing changes then)."""
         blocks = self.req_to_blocks.get(request.request_id)
-        num_computed = request.num_computed_tokens if blocks else hit.num_tokens
-        assert not (blocks and hit.blocks), "a prefix hit is only for a request without blocks"
-        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        if blocks and num_needed <= len(blocks):
-            return []  # a decode step inside its last block: most steps
+        if blocks:
+            num_needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+            if num_needed <= len(blocks):
+                return []  # a decode step inside its last block: most steps
+            assert not hit.blocks, "a prefix hit is only for a request without blocks"
+        else:
+            num_needed = -(-(hit.num_tokens + num_new_tokens) // self.block_size)
         num_new = num_needed - (len(blocks) if blocks else 0) - len(hit.blocks)
         num_revived = sum(1 for b in hit.blocks if b.ref_cnt == 0)
         if num_new + num_revived > self.pool.num_free_blocks:

@@ -46,6 +46,7 @@ class Request:
         self.num_pending_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.status = RequestStatus.WAITING
+        self.is_finished = False  # status is FINISHED (read once per request per step)
         self.finish_reason: FinishReason | None = None
         self.slot: int | None = None
         self.num_preemptions = 0
@@ -68,16 +69,13 @@ class Request:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
-    @property
     def num_tokens_to_compute(self) -> int:
         """Tokens whose KV is still to compute, counting tokens still in flight; 0 once every
         token the request may get is accounted for."""
-        if self.num_output_tokens + self.num_pending_tokens >= self.sampling.max_tokens:
+        known = len(self.token_ids) + self.num_pending_tokens
+        if known - self.num_prompt_tokens >= self.sampling.max_tokens:
             return 0
-        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
+        return known - self.num_computed_tokens
 
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         assert self.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), self.status
@@ -98,6 +96,7 @@ class Request:
     def finish(self, reason: FinishReason) -> None:
         assert self.status is not RequestStatus.FINISHED, f"{self.request_id} finished twice"
         self.status = RequestStatus.FINISHED
+        self.is_finished = True
         self.finish_reason = reason
         self.slot = None
 
@@ -108,12 +107,13 @@ class Request:
         assert self.num_pending_tokens > 0, "a token nobody scheduled"
         self.num_pending_tokens -= 1
         self.token_ids.append(token_id)
-        if self.num_output_tokens < self.sampling.min_tokens:
+        num_output, sampling = len(self.token_ids) - self.num_prompt_tokens, self.sampling
+        if num_output < sampling.min_tokens:
             return None
-        if token_id in self.sampling.stop_token_ids:
+        if token_id in sampling.stop_token_ids:
             return FinishReason.STOP
         if token_id in self.eos_token_ids:
             return FinishReason.EOS
-        if self.num_output_tokens >= self.sampling.max_tokens:
+        if num_output >= sampling.max_tokens:
             return FinishReason.LENGTH
         return None

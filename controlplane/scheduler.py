@@ -32,7 +32,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_tokens: int
@@ -104,7 +104,8 @@ class Scheduler:
         for s in out.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_tokens
-            s.samples = request.num_computed_tokens == request.num_tokens + request.num_pending_tokens
+            s.samples = request.num_computed_tokens == \
+                len(request.token_ids) + request.num_pending_tokens
             request.num_pending_tokens += s.samples
         out.freed_slots, self._freed_slots = self._freed_slots, []
         out.failed, self._failed = self._failed, []
@@ -131,24 +132,26 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,
                           only: Request | None = None) -> int:
+        running, scheduled, allocate = self.running, out.scheduled, self.kv.allocate
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_tokens = min(request.num_tokens_to_compute, budget)
-            if num_tokens <= 0 or (only is not None and request is not only):
-                i += 1
+        while i < len(running) and budget > 0:  # (preemption shortens `running` from the end)
+            request = running[i]
+            i += 1
+            if only is not None and request is not only:
                 continue
-            block_ids = self.kv.allocate(request, num_tokens)
+            num_tokens = min(request.num_tokens_to_compute, budget)
+            if num_tokens <= 0:
+                continue
+            block_ids = allocate(request, num_tokens)
             while block_ids is None:
-                victim = self.running[-1] if self.running[-1] is not only else self.running[-2]
+                victim = running[-1] if running[-1] is not only else running[-2]
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is request:
                     return budget
-                block_ids = self.kv.allocate(request, num_tokens)
-            out.scheduled.append(ScheduledRequest(request, num_tokens, block_ids, False, False))
+                block_ids = allocate(request, num_tokens)
+            scheduled.append(ScheduledRequest(request, num_tokens, block_ids, False, False))
             budget -= num_tokens
-            i += 1
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, limit: int | None = None) -> int:

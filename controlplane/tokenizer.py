@@ -58,12 +58,13 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> tuple[str, bool]:
         """Feed one token; returns (text to release now, whether a stop string was hit). After a
         hit, the text up to (not including) the stop string has been released."""
+        if not self._stop:  # nothing to hold back
+            return self._tokenizer.decode_step(self._stream, token_id), False
         self._pending += self._tokenizer.decode_step(self._stream, token_id)
-        if self._stop:
-            hits = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
-            if hits:
-                text, self._pending = self._pending[:min(hits)], ""
-                return text, True
+        hits = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            text, self._pending = self._pending[:min(hits)], ""
+            return text, True
         cut = max(len(self._pending) - self._hold, 0)
         text, self._pending = self._pending[:cut], self._pending[cut:]
         return text, False

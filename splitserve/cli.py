@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "log_level"):
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in ("serve", "controlplane", "dataplane"):
+        from common.process import tune_gc
+        tune_gc()
     if args.command == "serve":
         asyncio.run(_serve(args))
     elif args.command == "controlplane":

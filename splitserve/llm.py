@@ -14,6 +14,7 @@ import pathlib
 import uuid
 from collections.abc import Sequence
 
+from common import process
 from common.model_info import ModelInfo
 from controlplane.dataplane_client import DataPlaneInfo
 from controlplane.engine import Engine, EngineConfig
@@ -60,9 +61,12 @@ class InProcessDataPlane:
 class LLM:
     def __init__(self, model: str | pathlib.Path, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, **runner_options) -> None:
+                 enable_prefix_caching: bool = True, tune_gc: bool = True,
+                 **runner_options) -> None:
         """`runner_options`: RunnerConfig's fields (device, dtype, block_size,
-        gpu_memory_utilization, enforce_eager, attention_backend, load_format, ...)."""
+        gpu_memory_utilization, enforce_eager, attention_backend, load_format, ...).
+        `tune_gc`: make this process's garbage collector run less often, as the servers do
+        (common.process.tune_gc); it is process-wide, so pass False to keep yours."""
         self.model = ModelInfo.from_dir(model)
         max_model_len = max_model_len or self.model.max_position_embeddings
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
@@ -74,6 +78,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model, self.model.vocab_size)
         self.engine: Engine | None = None
         self.loop = asyncio.new_event_loop()
+        if tune_gc:
+            process.tune_gc()
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  per_prompt: Sequence[dict] | None = None, **sampling) -> list[Completion]:
