@@ -3,8 +3,10 @@
 # FlashAttention-4 bundle installed, then the stages named on the command line, each logging to
 # $OUT. Stages: tests (GPU-marked tests), kernels (kernel micro-benchmarks), moe (fused MoE
 # tuning), profile (where a decode step's time goes), bench-0.6b, bench-8b, bench-30b (workload
-# A, both modes), bench-0.6b-tp2. Set SPLITSERVE_COMMIT (no .git travels to the device machine):
-#   OUT=$OUT SPLITSERVE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_run.sh tests bench-0.6b
+# A, both modes), bench-0.6b-tp2. Set SPLITSERVE_COMMIT to the hash, written out in the command
+# (the device machine's copy of the tree may carry a stale .git: `git rev-parse` there once
+# reported an older commit than the tree it ran):
+#   OUT=$OUT SPLITSERVE_COMMIT=<hash of this tree> bash bench/gpu_run.sh tests bench-0.6b
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
