@@ -1,0 +1,37 @@
+"""A data plane may be silent while it configures (kernel compiles hold its GIL, so its I/O
+thread cannot heartbeat): the control plane waits for its Ready past the heartbeat timeout."""
+
+import time
+
+import pytest
+import zmq
+
+from common import framing
+from protos import link_pb2
+from tests.integration import harness
+from tests.integration.test_link_security import rogue_hello
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def test_a_data_plane_silent_while_configuring_is_attached_when_ready(checkpoints, tmp_path):
+    model = checkpoints["untied"]
+    link = f"tcp://127.0.0.1:{harness.free_port()}"
+    server = harness.controlplane(model, tmp_path, link)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(link)
+    try:
+        sock.send_multipart(rogue_hello(model))
+        assert sock.poll(10_000), "no Configure"
+        configure = framing.decode(sock.recv_multipart())
+        assert configure.WhichOneof("body") == "configure"
+        time.sleep(3.0)  # twice the heartbeat timeout, not a word (Configure repeats ignored)
+        ready = link_pb2.Ready(num_kv_blocks=64, block_size=16)
+        sock.send_multipart(framing.encode(link_pb2.LinkMessage(seq=2, epoch=configure.epoch,
+                                                                ready=ready)))
+        assert server.client.wait_until_serving(5), server.log()
+        assert "silent" not in server.log()
+    finally:
+        sock.close()
+        server.stop()
