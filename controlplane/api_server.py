@@ -1,5 +1,6 @@
 """The gRPC servicer: translates protos to engine calls and back; decides nothing itself."""
 
+import dataclasses
 import time
 import uuid
 
@@ -101,6 +102,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for chunk in stream:
                 if chunk.finish_reason in _ERROR_STATUS:
                     done = True
+                    if chunk.token_ids:  # tokens that came before the failure still go out
+                        yield chunk_to_proto(request_id, dataclasses.replace(chunk,
+                                                                             finish_reason=None))
                     await context.abort(*_ERROR_STATUS[chunk.finish_reason])
                 yield chunk_to_proto(request_id, chunk)
             done = True

@@ -138,8 +138,9 @@ class RequestStream:
                 self._waiter = None
                 continue
             chunk = self._take()
+            last = chunk.finish_reason is not None
             yield chunk
-            if chunk.finish_reason is not None:
+            if last:
                 return
 
 

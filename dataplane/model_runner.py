@@ -62,6 +62,9 @@ class PendingStep:
     out: SamplerOutput | None  # rank 0
     host_tokens: torch.Tensor | None  # host copy being filled
     done: torch.cuda.Event | None
+    # logprobs asked per sampled row, read at submit: by finish() the next step may have given
+    # a finished request's slot to another request
+    num_logprobs: np.ndarray | None = None
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()
@@ -174,9 +177,12 @@ class ModelRunner:
             layer.bind_kv_cache(torch.empty(0), torch.empty(0), self.backend)
 
     def _compile_kernels(self, limits: BatchLimits, num_blocks: int) -> None:
-        """One eager prompt step per power-of-two length, so that the kernels' tile variants
-        compile now and not inside a served step: a Triton compile holds the GIL for up to
-        seconds, which would silence the link's heartbeats."""
+        """One eager prompt step per power-of-two length and two eager decode steps (one long
+        request: split-KV; a full batch: not split), so that the kernels' variants compile now
+        and not inside a served step: a Triton compile holds the GIL for up to seconds, which
+        would silence the link's heartbeats."""
+        self._dummy_decode(1, limits.max_model_len, num_blocks)
+        self._dummy_decode(limits.max_num_seqs, min(limits.max_model_len, 64), num_blocks)
         num_tokens = 2
         while True:
             num_tokens = min(num_tokens, limits.max_num_batched_tokens)
@@ -187,6 +193,24 @@ class ModelRunner:
         if logits is not None:
             compile_sampler_kernels(logits)
         torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def _dummy_decode(self, num_reqs: int, seq_len: int, num_blocks: int) -> None:
+        """An eager decode step of num_reqs requests of seq_len tokens over the bound KV cache
+        (blocks reused modulo num_blocks), storing nothing."""
+        arange = lambda n: torch.arange(n, device=self.device)  # noqa: E731
+        table = (arange(-(-seq_len // self.block_size)) % num_blocks).int()
+        ctx = ForwardContext(
+            query_start_loc=arange(num_reqs + 1).int(),
+            seq_lens=torch.full((num_reqs,), seq_len, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.full((num_reqs,), -1, device=self.device),
+            block_tables=table[None].expand(num_reqs, -1).contiguous(),
+            logits_indices=arange(num_reqs), max_query_len=1, max_seq_len=seq_len,
+            query_start_loc_host=list(range(num_reqs + 1)), seq_lens_host=[seq_len] * num_reqs)
+        with forward_context(ctx):
+            self.model.compute_logits(self.model(
+                torch.zeros(num_reqs, dtype=torch.long, device=self.device),
+                torch.full((num_reqs,), seq_len - 1, device=self.device)))
 
     @torch.inference_mode()
     def _dummy_forward(self, num_tokens: int, num_blocks: int, rows: int,
@@ -244,8 +268,11 @@ class ModelRunner:
             self.batch.append_sampled(inputs, token_ids)
             if tp_rank() == 0:
                 host_tokens, done = self._to_host(token_ids)
+        num_logprobs = None
+        if out is not None and out.logprobs is not None:
+            num_logprobs = self.batch.params.num_logprobs[sampled_slots]  # (a copy)
         return PendingStep(step.step_id, started, time.perf_counter(), sampled_slots, out,
-                           host_tokens, done)
+                           host_tokens, done, num_logprobs)
 
     def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if self.device.type == "cpu":
@@ -267,20 +294,19 @@ class ModelRunner:
                                    sample_ms=1e3 * (done - pending.submitted),
                                    total_ms=1e3 * (done - pending.started))
         tokens = pending.host_tokens.tolist() if pending.host_tokens is not None else []
-        return _result(pending.step_id, tokens, pending.out, self.batch, pending.sampled_slots,
-                       timings)
+        return _result(pending.step_id, tokens, pending.out, pending.num_logprobs, timings)
 
     def execute(self, step: link_pb2.Step) -> link_pb2.StepResult | None:
         return self.finish(self.submit(step))
 
 
-def _result(step_id: int, token_ids: list[int], out: SamplerOutput | None, batch: InputBatch,
-            sampled_slots: np.ndarray, timings: link_pb2.Timings) -> link_pb2.StepResult:
+def _result(step_id: int, token_ids: list[int], out: SamplerOutput | None,
+            num_logprobs: np.ndarray | None, timings: link_pb2.Timings) -> link_pb2.StepResult:
     result = link_pb2.StepResult(step_id=step_id, sampled_token_ids=pack_i32(token_ids),
                                  timings=timings)
     if out is None or out.logprobs is None:
         return result
-    wanted = torch.from_numpy(batch.params.num_logprobs[sampled_slots])  # [rows]: -1 none, else N
+    wanted = torch.from_numpy(num_logprobs)  # [rows]: -1 none, else N
     rows = (wanted >= 0).nonzero().squeeze(1)
     n = wanted[rows]
     keep = torch.arange(out.top_token_ids.shape[1]) < n.unsqueeze(1)  # [rows, max_n]

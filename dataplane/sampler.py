@@ -9,10 +9,12 @@ Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) is a draw from
 draws its q from a generator seeded by (seed, output index), so its tokens depend on its own seed
 and logits only, not on the rest of the batch, nor on how many times it was recomputed.
 
-On CUDA, when no row truncates (top-k, top-p, min-p), the draw is one fused kernel over the
-logits instead (dataplane.kernels.gumbel_sample: the Gumbel-max form of the same race, with
-Philox noise keyed by the same (seed, output index)); a step's logits are the largest tensor the
-sampler touches, and the unfused path passes over them about ten times.
+On CUDA the draw is one fused kernel over the logits instead (dataplane.kernels.gumbel_sample:
+the Gumbel-max form of the same race, with Philox noise keyed by the same (seed, output index)),
+for every batch, so a seeded row's tokens never depend on its batch-mates; when no row
+truncates (top-k, top-p, min-p) it reads the model's logits directly, the largest tensor of the
+step, which the torch path passes over about ten times. The same seed gives different tokens on
+CPU and on CUDA.
 """
 
 import random
@@ -103,9 +105,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.uses.all_greedy:
         return logits.argmax(dim=-1)
-    uses = batch.uses
-    if logits.is_cuda and not (uses.top_k or uses.top_p or uses.min_p):
-        return _fused_draw(logits, batch)
+    if logits.is_cuda:
+        return fused_draw(logits, batch)
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     is_greedy = batch.temperature == 0
@@ -148,8 +149,18 @@ def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 _STEP_SEEDS = random.Random()  # unseeded rows: a fresh key per step
 
 
-def _fused_draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def fused_draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The tokens of a batch that is not all greedy, with the fused kernel (what CUDA uses)."""
     from dataplane.kernels.gumbel_sample import gumbel_sample  # CUDA only: imports triton
+    temperature = batch.temperature.float()
+    uses = batch.uses
+    if uses.top_k or uses.top_p or uses.min_p:
+        # Truncate the tempered logits (as sampling_probs does) and draw from them at
+        # temperature 1; a greedy row keeps its argmax through any truncation.
+        is_greedy = temperature == 0
+        logits = _truncate(logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None],
+                           batch)
+        temperature = (~is_greedy).float()
     row_seeds = None
     if any(seed is not None for seed in batch.seeds):
         base = _STEP_SEEDS.getrandbits(62)
@@ -157,20 +168,22 @@ def _fused_draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             [base + row if seed is None else _seed_key(seed, batch.output_index[row])
              for row, seed in enumerate(batch.seeds)], dtype=torch.int64
         ).to(logits.device, non_blocking=True)
-    return gumbel_sample(logits, batch.temperature.float(), _STEP_SEEDS.getrandbits(62),
-                         row_seeds)
+    return gumbel_sample(logits, temperature, _STEP_SEEDS.getrandbits(62), row_seeds)
 
 
 def compile_kernels(logits: torch.Tensor) -> None:
-    """Compile the fused draw for these logits (a step's dtype and vocabulary), seeded and not."""
+    """Compile the fused draw for a step's logits (their dtype and vocabulary) and for float32
+    ones (after penalties or truncation), seeded and not."""
     rows = logits.shape[0]
     ones = torch.ones(rows, device=logits.device)
-    for seeds in ([None] * rows, [0] * rows):
-        _fused_draw(logits, SamplingBatch(
-            temperature=ones, top_k=ones.long(), top_p=ones, min_p=ones * 0,
-            presence_penalty=ones * 0, frequency_penalty=ones * 0, repetition_penalty=ones,
-            seeds=seeds, output_index=[0] * rows, output_counts=None, prompt_mask=None,
-            suppress_mask=None, max_logprobs=-1))
+    for x in (logits, logits.float()):
+        for seeds in ([None] * rows, [0] * rows):
+            fused_draw(x, SamplingBatch(
+                temperature=ones, top_k=ones.long(), top_p=ones, min_p=ones * 0,
+                presence_penalty=ones * 0, frequency_penalty=ones * 0, repetition_penalty=ones,
+                seeds=seeds, output_index=[0] * rows, output_counts=None, prompt_mask=None,
+                suppress_mask=None, max_logprobs=-1, uses=Uses(top_k=False, top_p=False,
+                                                               min_p=False)))
 
 
 def _seed_key(seed: int, output_index: int) -> int:

@@ -215,6 +215,8 @@ class Rank0:
                 self._on_received(*received)
             else:
                 self.completions.drain()
+        if not self.pending or self.pending[0][1] is not pending:
+            return  # a Configure taken in meanwhile finished it (with all of its epoch)
         self.pending.popleft()
         try:
             result = self.runner.finish(pending)
@@ -231,12 +233,14 @@ def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: 
     link = ControlPlaneLink(address, hello_for(runner, model_info), config)
     link.start()
     log.info("data plane %s connecting to %s", link.instance_id, address)
+    rank0 = Rank0(runner, link, liveness)
     try:
-        Rank0(runner, link, liveness).run()
+        rank0.run()
     except KeyboardInterrupt:
         if tp_size() > 1:  # a clean stop: release the followers (after a failure they may be stuck)
             broadcast_bytes(_STOP)
     finally:
+        rank0.completions.close()
         link.close()
 
 

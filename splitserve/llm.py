@@ -10,6 +10,7 @@ gone (single rank: tensor parallelism needs the rank processes of the data plane
 """
 
 import asyncio
+import dataclasses
 import pathlib
 import uuid
 from collections.abc import Sequence
@@ -116,10 +117,19 @@ class LLM:
 
     @staticmethod
     async def _collect(stream) -> Completion:
+        """The stream's chunks as a Completion; a request that failed in the engine ends with
+        finish_reason "error" or "unavailable" (which the gRPC API reports as a status)."""
         from controlplane.api_server import chunk_to_proto
         completion = Completion()
         async for chunk in stream:
-            completion.add(chunk_to_proto(stream.request.request_id, chunk))
+            reason = chunk.finish_reason
+            completion.add(chunk_to_proto(stream.request.request_id,
+                                          dataclasses.replace(chunk, finish_reason=None)))
+            if reason is not None:
+                completion.finish_reason = reason.value
+                completion.prompt_tokens = chunk.num_prompt_tokens
+                completion.completion_tokens = chunk.num_output_tokens
+                completion.cached_tokens = chunk.num_cached_tokens
         return completion
 
     def close(self) -> None:

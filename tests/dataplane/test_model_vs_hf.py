@@ -5,7 +5,9 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
+from common.wire import unpack_f32, unpack_i32
 from dataplane.model_runner import ModelRunner, RunnerConfig
+from protos import link_pb2
 from tests.dataplane.steps import Sched, configure, make_step
 
 ATOL = 2e-4  # float32: observed differences are ~1e-5 on logits of magnitude ~5
@@ -97,3 +99,17 @@ def test_freed_slot_is_reused_cleanly(pair):
     runner.forward(make_step(1, [Sched(0, 0, 9, [0, 1, 2], new_tokens=a)]))
     logits, _ = runner.forward(make_step(2, [Sched(0, 0, 5, [3, 4], new_tokens=b)], freed=[0]))
     torch.testing.assert_close(logits[0], hf_logits(hf, b)[-1], atol=ATOL, rtol=0)
+
+
+def test_logprobs_of_a_step_survive_its_slot_being_reused_by_the_next_step(pair):
+    """Step N+1 is submitted before step N is finished; when N+1 gives a finished request's
+    slot to a request without logprobs, N's result still carries the first one's logprobs."""
+    runner, _ = pair
+    runner.configure(configure(max_num_seqs=1))
+    a, b = prompts(runner.vocab_size, [6, 5], seed=5)
+    wants = link_pb2.SamplingOptions(temperature=0, top_p=1, repetition_penalty=1, logprobs=3)
+    first = runner.submit(make_step(1, [Sched(0, 0, 6, [0, 1], new_tokens=a, sampling=wants)]))
+    runner.submit(make_step(2, [Sched(0, 0, 5, [2, 3], new_tokens=b)], freed=[0]))
+    result = runner.finish(first)
+    assert len(unpack_f32(result.sampled_logprobs)) == 1
+    assert len(unpack_i32(result.top_token_ids)) == 3

@@ -8,7 +8,9 @@ import torch
 pytest.importorskip("triton")
 
 from dataplane.kernels.gumbel_sample import gumbel_sample, gumbel_sample_ref  # noqa: E402
-from tests.dataplane.kernels.helpers import KERNEL_MARKS, on_gpu, randn, skip_unsupported  # noqa: E402
+from dataplane.sampler import SamplingBatch, Uses, fused_draw  # noqa: E402
+from tests.dataplane.kernels.helpers import (  # noqa: E402
+    KERNEL_MARKS, on_gpu, randn, skip_unsupported)
 
 pytestmark = KERNEL_MARKS
 
@@ -63,3 +65,24 @@ def test_mixed_greedy_and_sampled_rows_of_a_strided_temperature(device, gen):
     argmax = logits.argmax(dim=-1)
     assert got[0] == argmax[0] and got[2] == argmax[2]
     assert got[3] == argmax[3]  # a tiny temperature is as good as greedy at this scale
+
+
+def test_a_seeded_row_ignores_a_truncating_batch_mate(device, gen):
+    """With a top-p neighbour the batch truncates first; the seeded row's token stays the same,
+    and a greedy row stays the argmax."""
+    logits = randn(3, 100, dtype=torch.float32, device=device, gen=gen)
+
+    def batch(top_p):
+        ones = torch.ones(3, device=device)
+        return SamplingBatch(
+            temperature=torch.tensor([0.8, 0.8, 0.0], device=device),
+            top_k=torch.zeros(3, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, device=device), min_p=ones * 0,
+            presence_penalty=ones * 0, frequency_penalty=ones * 0, repetition_penalty=ones,
+            seeds=[7, None, None], output_index=[3, 0, 0], output_counts=None,
+            prompt_mask=None, suppress_mask=None, max_logprobs=-1,
+            uses=Uses(top_k=False, top_p=min(top_p) < 1, min_p=False))
+    alone = fused_draw(logits, batch([1.0, 1.0, 1.0]))
+    mixed = fused_draw(logits, batch([1.0, 0.5, 1.0]))
+    assert alone[0] == mixed[0]
+    assert alone[2] == mixed[2] == logits.argmax(dim=-1)[2]
