@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One batched call on a lent GPU machine (see ../shared/gpu/README.md): carried wheels and the
 # FlashAttention-4 bundle installed, then the stages named on the command line, each logging to
-# $OUT. Stages: tests (GPU-marked tests), kernels (kernel micro-benchmarks), moe (fused MoE
-# tuning), profile (where a decode step's time goes), bench-0.6b, bench-8b, bench-30b (workload
-# A, both modes), bench-0.6b-tp2. Set SPLITSERVE_COMMIT to the hash, written out in the command
+# $OUT. Stages: tests (GPU-marked tests), runner (the runner, serve, TP=2 and sampler tests),
+# kernels (kernel micro-benchmarks), moe (fused MoE tuning), profile (where a decode step's time
+# goes), bench-0.6b, bench-8b, bench-30b (workload A, both modes), bench-0.6b-si4 (split with
+# --stream-interval 4), bench-0.6b-tp2. Timings seen on the H200s: runner ~150 s, bench-0.6b
+# ~50 s, bench-8b ~70 s (both modes each); a machine takes ~40 s to start. Set SPLITSERVE_COMMIT to the hash, written out in the command
 # (the device machine's copy of the tree may carry a stale .git: `git rev-parse` there once
 # reported an older commit than the tree it ran):
 #   OUT=$OUT SPLITSERVE_COMMIT=<hash of this tree> bash bench/gpu_run.sh tests bench-0.6b
@@ -39,6 +41,7 @@ for stage in "$@"; do
     bench-0.6b) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-8b) timeout 240 python3 bench/throughput.py --model qwen3-8b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-30b) timeout 300 python3 bench/throughput.py --model qwen3-30b-a3b --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-0.6b-si4) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --stream-interval 4 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-tp2) timeout 400 python3 bench/throughput.py --model qwen3-0.6b --modes split --tp 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -178,7 +178,8 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
          "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len",
          str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
          "--attention-backend", args.attention_backend, "--tp", str(args.tp),
-         "--max-waiting-requests", "4096", "--step-timeout", "600"]
+         "--max-waiting-requests", "4096", "--step-timeout", "600",
+         "--stream-interval", str(args.stream_interval)]
         + (["--enforce-eager"] if args.enforce_eager else []), cwd=ROOT, stdout=log, stderr=log)
     address = f"127.0.0.1:{port}"
     try:
@@ -211,6 +212,8 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
     steps = after.num_steps - before.num_steps
     return {"seconds": seconds, "output_tokens": sum(c.completion_tokens for c in done),
             "num_steps": steps, "tp": info.tp_size,
+            "stream_messages_per_token": sum(c.num_chunks for c in done)
+            / sum(c.completion_tokens for c in done),
             "bytes_per_step_sent": (after.link_bytes_sent - before.link_bytes_sent) / steps,
             "bytes_per_step_received": (after.link_bytes_received - before.link_bytes_received) / steps,
             "control_plane_cpu_ms_per_step":
@@ -233,6 +236,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="split mode only")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="split mode only: serve's --stream-interval (tokens per message)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -270,7 +275,8 @@ def main() -> None:
 
 
 def _save(args, mode: str, result: dict) -> None:
-    name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}".lower())
+    suffix = f"-si{args.stream_interval}" if mode == "split" and args.stream_interval != 1 else ""
+    name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 
 
