@@ -5,9 +5,10 @@
 # kernels (kernel micro-benchmarks), moe (fused MoE tuning), profile (where a decode step's time
 # goes), bench-0.6b, bench-8b, bench-30b (workload A, both modes), bench-0.6b-si4 (split with
 # --stream-interval 4), bench-0.6b-tp2. Timings seen on the H200s: runner ~150 s, bench-0.6b
-# ~50 s, bench-8b ~70 s (both modes each); a machine takes ~40 s to start. Set SPLITSERVE_COMMIT to the hash, written out in the command
-# (the device machine's copy of the tree may carry a stale .git: `git rev-parse` there once
-# reported an older commit than the tree it ran):
+# ~50 s, bench-8b ~70 s (both modes each); a machine takes ~40 s to start. Set
+# SPLITSERVE_COMMIT to the hash, written out in the command (the device machine's copy of the
+# tree may carry a stale .git: `git rev-parse` there once reported an older commit than the tree
+# it ran):
 #   OUT=$OUT SPLITSERVE_COMMIT=<hash of this tree> bash bench/gpu_run.sh tests bench-0.6b
 set -uo pipefail
 cd "$(dirname "$0")/.."
