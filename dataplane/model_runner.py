@@ -5,6 +5,7 @@ submits step N+1 before finishing step N whenever the control plane has sent it,
 always has the next step queued while the host packs and sends the previous result.
 """
 
+import gc
 import pathlib
 import time
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ class ModelRunner:
         process on the same GPU sizes its KV cache from what is free)."""
         self.kv = self.graphs = self.batch = None
         self.model = None
+        gc.collect()  # whatever of it sits in reference cycles
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

@@ -11,6 +11,7 @@ gone (single rank: tensor parallelism needs the rank processes of the data plane
 
 import asyncio
 import dataclasses
+import gc
 import pathlib
 import uuid
 from collections.abc import Sequence
@@ -79,6 +80,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model, self.model.vocab_size)
         self.engine: Engine | None = None
         self.loop = asyncio.new_event_loop()
+        self._tuned_gc = tune_gc
         if tune_gc:
             process.tune_gc()
 
@@ -138,4 +140,6 @@ class LLM:
             self.engine.close()
             self.loop.run_until_complete(asyncio.gather(self._task, return_exceptions=True))
         self.loop.close()
+        if self._tuned_gc:
+            gc.unfreeze()  # what tune_gc froze (the model among it) can be collected again
         self.runner.release()
