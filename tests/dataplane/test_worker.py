@@ -1,6 +1,9 @@
 """Rank 0's loop: steps run once and in the order they were sent, whatever the link does."""
 
+import threading
 from types import SimpleNamespace
+
+import pytest
 
 from dataplane.worker import Liveness, Rank0
 from protos import link_pb2
@@ -52,3 +55,40 @@ def test_a_repeated_step_is_answered_from_the_cache_not_run_again():
     loop._on_received(b"msg", step_message(1, 0)[0])  # a retransmission of a step that ran
     assert runner.submitted == [1, 2]
     assert [m.step_result.step_id for m in loop.link.sent] == [1, 2, 1]  # the repeat: cached
+
+
+class DeviceEvent:
+    """Stands in for a step's CUDA event: done when the test says so."""
+
+    def __init__(self) -> None:
+        self.fired = threading.Event()
+
+    def synchronize(self) -> None:
+        self.fired.wait()
+
+    def query(self) -> bool:
+        return self.fired.is_set()
+
+
+@pytest.mark.timeout(30)
+def test_rank0_wakes_when_the_device_finishes_a_step_not_at_a_poll_timeout():
+    """The completions thread wakes the loop's poll: the fake link waits on it with an hour-long
+    timeout, so only that wake-up can finish the step (the test's own timeout would fail it)."""
+    event = DeviceEvent()
+
+    class SlowRunner(RecordingRunner):
+        def submit(self, step):
+            super().submit(step)
+            return SimpleNamespace(is_done=event.query, done=event, step_id=step.step_id)
+
+    loop = rank0(SlowRunner())
+
+    def recv_or(other, timeout_s):
+        other.poll(3_600_000)
+        return None
+    loop.link.recv_or = recv_or
+    loop._on_step(*step_message(1, 0))
+    threading.Timer(0.05, event.fired.set).start()
+    loop._finish_oldest()
+    assert [m.step_result.step_id for m in loop.link.sent] == [1]
+    loop.completions.close()
