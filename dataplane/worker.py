@@ -9,7 +9,6 @@ import threading
 import time
 
 import zmq
-
 from google.protobuf.message import DecodeError
 
 from common.transport import PROTOCOL_VERSION, LinkConfig
