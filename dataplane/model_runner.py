@@ -118,7 +118,7 @@ class ModelRunner:
         self.kv = kv_cache.allocate_kv_cache(layers, num_blocks, self.block_size, self.dtype,
                                              self.device, self.backend)
         self.batch = InputBatch(batch_limits, self.device)
-        if self.device.type == "cuda" and self.backend.name != "torch":  # torch: no kernels
+        if self.device.type == "cuda":
             self._compile_kernels(batch_limits, num_blocks)
         if self.device.type == "cuda" and not self.config.enforce_eager and \
                 self.backend.name != "torch":
@@ -182,18 +182,22 @@ class ModelRunner:
         """One eager prompt step per power-of-two length and two eager decode steps (one long
         request: split-KV; a full batch: not split), so that the kernels' variants compile now
         and not inside a served step: a Triton compile holds the GIL for up to seconds, which
-        would silence the link's heartbeats."""
-        self._dummy_decode(1, limits.max_model_len, num_blocks)
-        self._dummy_decode(limits.max_num_seqs, min(limits.max_model_len, 64), num_blocks)
-        num_tokens = 2
-        while True:
-            num_tokens = min(num_tokens, limits.max_num_batched_tokens)
-            logits = self._dummy_forward(num_tokens, num_blocks, 1, store=False)
-            if num_tokens == limits.max_num_batched_tokens:
-                break
-            num_tokens *= 2
-        if logits is not None:
-            compile_sampler_kernels(logits)
+        would silence the link's heartbeats. (The torch backend has no kernels but the
+        sampler's.)"""
+        logits = None
+        if self.backend.name != "torch":
+            self._dummy_decode(1, limits.max_model_len, num_blocks)
+            self._dummy_decode(limits.max_num_seqs, min(limits.max_model_len, 64), num_blocks)
+            num_tokens = 2
+            while True:
+                num_tokens = min(num_tokens, limits.max_num_batched_tokens)
+                logits = self._dummy_forward(num_tokens, num_blocks, 1, store=False)
+                if num_tokens == limits.max_num_batched_tokens:
+                    break
+                num_tokens *= 2
+        if tp_rank() == 0:
+            compile_sampler_kernels(logits if logits is not None else torch.zeros(
+                1, self.vocab_size, dtype=self.dtype, device=self.device))
         torch.cuda.synchronize()
 
     @torch.inference_mode()
