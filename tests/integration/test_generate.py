@@ -1,5 +1,6 @@
 """Greedy generation through the whole two-process stack (gRPC client -> control plane ->
-ZeroMQ -> data plane) equals transformers' greedy decoding."""
+ZeroMQ -> data plane) equals transformers' greedy decoding, for a dense Qwen3 checkpoint and a
+Qwen3-MoE one: concurrent requests, the prefix cache, logprobs, preemption, TP=2."""
 
 import concurrent.futures
 
@@ -7,7 +8,7 @@ import grpc
 import pytest
 
 from tests.integration import harness
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, hf_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -28,9 +29,11 @@ def expected(model, prompts=PROMPTS, max_tokens=MAX_TOKENS):
     return [hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
 
 
-@pytest.fixture(scope="module")
-def model(checkpoints):
-    return checkpoints["untied"]
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model(request):
+    if request.param == "dense":
+        return request.getfixturevalue("checkpoints")["untied"]
+    return request.getfixturevalue("moe_checkpoints")["moe"]
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +52,19 @@ def test_concurrent_greedy_equals_transformers(server, model):
         assert (c.prompt_tokens, c.completion_tokens) == (len(p), n)
 
 
-def test_repeated_prompt_is_served_from_the_prefix_cache(server, model):
+def test_repeated_prompt_is_served_from_the_prefix_cache_with_logprobs(server, model):
     prompt = list(range(100, 123))  # 23 tokens: 5 full blocks of 4
     first = server.client.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)
-    second = server.client.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+    second = server.client.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True,
+                                    logprobs=5)
     assert first.cached_tokens == 0
     assert second.cached_tokens == 20
     assert first.token_ids == second.token_ids == hf_greedy(model, prompt, 6)
+    reference = hf_logprobs(model, prompt + second.token_ids)
+    for i, (token, lp) in enumerate(zip(second.token_ids, second.logprobs)):
+        row = reference[len(prompt) - 1 + i]
+        assert abs(lp.logprob - row[token].item()) < 1e-4
+        assert [t.token_id for t in lp.top] == row.topk(5).indices.tolist()
 
 
 def test_text_prompt_streams_the_decoded_text(server):
@@ -91,14 +100,15 @@ def test_tiny_kv_cache_preempts_and_recomputes_identically(model, tmp_path):
     assert [c.token_ids for c in completions] == expected(model, prompts, max_tokens)
 
 
-def test_tensor_parallel_2_equals_transformers(model, tmp_path):
-    server = harness.serve(model, tmp_path, "--tp", "2", "--block-size", "4",
-                           "--num-kv-blocks", "128")
+def test_tensor_parallel_2_equals_transformers(server, model, tmp_path):
+    assert server.client.model_info().tp_size == 1
+    tp2 = harness.serve(model, tmp_path, "--tp", "2", "--block-size", "4",
+                        "--num-kv-blocks", "128")
     try:
-        completions = generate_all(server, PROMPTS[:3], MAX_TOKENS[:3])
-        info = server.client.model_info()
+        completions = generate_all(tp2, PROMPTS[:3], MAX_TOKENS[:3])
+        info = tp2.client.model_info()
     finally:
-        server.stop()
+        tp2.stop()
     assert info.tp_size == 2
     assert [c.token_ids for c in completions] == expected(model, PROMPTS[:3], MAX_TOKENS[:3])
 
