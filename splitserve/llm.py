@@ -25,7 +25,7 @@ from controlplane.scheduler import SchedulerConfig
 from controlplane.tokenizer import Tokenizer
 from controlplane.validation import Limits, sampling_params, validate_prompt
 from dataplane.model_runner import ModelRunner, RunnerConfig
-from protos import generation_pb2, link_pb2
+from protos import link_pb2
 from splitserve.client import Completion, build_request
 
 

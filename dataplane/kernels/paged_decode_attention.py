@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dataplane.kernels.paged_inputs import check_paged_attention_inputs
+
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed costs outweigh the parallelism it adds
 MAX_SPLITS = 64
@@ -141,12 +143,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_warps, num_stages), for tuning. Returns out: [num_reqs, num_heads, head_dim]."""
     num_reqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
-    assert q.dtype == k_cache.dtype == v_cache.dtype
-    assert num_heads % num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim: a power of two >= 16"
-    assert block_size & (block_size - 1) == 0, "block_size: a power of two"
+    check_paged_attention_inputs(q, k_cache, v_cache)
     assert seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dataplane.kernels.paged_inputs import check_paged_attention_inputs
+
 LOG2E = 1.4426950408889634
 
 
@@ -152,12 +154,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_reqs = seq_lens.shape[0]
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
-    assert q.dtype == k_cache.dtype == v_cache.dtype
-    assert num_heads % num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim: a power of two >= 16"
-    assert block_size & (block_size - 1) == 0, "block_size: a power of two"
+    check_paged_attention_inputs(q, k_cache, v_cache)
     assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32
     assert seq_lens.dtype == torch.int32 and block_tables.dtype == torch.int32
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
