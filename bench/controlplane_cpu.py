@@ -11,7 +11,6 @@ import asyncio
 import json
 import pathlib
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.transport import free_tcp_port  # noqa: E402
 from splitserve.client import AsyncClient, Client  # noqa: E402
 
 
@@ -31,9 +31,7 @@ def main() -> None:
     parser.add_argument("--stream-interval", type=int, default=1)
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_tcp_port()
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     server = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--port", str(port),
                                "--max-num-seqs", str(args.num_requests),

@@ -20,7 +20,6 @@ import os
 import pathlib
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.transport import free_tcp_port  # noqa: E402
 from dataplane import checkpoints  # noqa: E402
 from dataplane.models import model_class  # noqa: E402
 
@@ -162,15 +162,9 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
             "host_time": host.report()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_split(model_dir, prompts, outputs, args) -> dict:
     from splitserve.client import AsyncClient, Client
-    port = _free_port()
+    port = free_tcp_port()
     log = open(args.out_dir / f"serve-{args.model}.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "splitserve", "serve", "--model", str(model_dir), "--device", "cuda",

@@ -4,6 +4,7 @@ CURVE keys for links that leave the host."""
 import ipaddress
 import logging
 import os
+import socket
 import pathlib
 import tempfile
 import urllib.parse
@@ -115,6 +116,14 @@ def warn_if_exposed(address: str, config: LinkConfig) -> None:
     if not loopback:
         log.warning("the link %s is not on loopback and has no CURVE keys: restrict it by "
                     "network policy or pass --link-secret-key", address)
+
+
+def free_tcp_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for tests, benchmarks and the rank
+    rendezvous; another process may still take it first)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def private_ipc_address(name: str = "link") -> str:

@@ -3,7 +3,6 @@
 import logging
 import pathlib
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -12,7 +11,7 @@ import torch
 
 from common.model_info import ModelInfo
 from common.process import die_with_parent
-from common.transport import LinkConfig
+from common.transport import LinkConfig, free_tcp_port
 from dataplane.distributed import ParallelConfig, init_distributed, shutdown_distributed
 from dataplane.model_runner import ModelRunner, RunnerConfig
 from dataplane.worker import Liveness, run_follower, run_rank0
@@ -38,16 +37,10 @@ class DataPlaneConfig:
             raise ValueError(f"rank must be in [0, {self.tp}), not {self.rank}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_followers(config: DataPlaneConfig, argv: list[str]) -> tuple[str, list[subprocess.Popen]]:
     """Start ranks 1..tp-1 with the launcher's own command line plus their rank; each dies with
     this process."""
-    init_method = config.dist_init_method or f"tcp://127.0.0.1:{_free_port()}"
+    init_method = config.dist_init_method or f"tcp://127.0.0.1:{free_tcp_port()}"
     children = [subprocess.Popen([sys.executable, "-m", "splitserve", "dataplane", *argv,
                                   "--rank", str(rank), "--dist-init-method", init_method,
                                   "--parent-pid", str(os.getpid())])

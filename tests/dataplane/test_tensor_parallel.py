@@ -1,7 +1,6 @@
 """TP=2 over gloo, two real processes: logits equal transformers' (and so TP=1's), for the dense
 model and for Qwen3-MoE (each expert's intermediate dim split over the ranks, router replicated)."""
 
-import socket
 import subprocess
 import sys
 
@@ -9,16 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.transport import free_tcp_port
 from common.wire import unpack_i32
 from tests.dataplane import tp_worker
 
 ATOL = 2e-4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -35,7 +29,7 @@ def test_tp2_moe_logits_match_transformers(moe_checkpoints, tmp_path, name):
 
 def check_tp2_logits(path, tmp_path):
     out = tmp_path / "logits.pt"
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_tcp_port()}"
     ranks = [subprocess.Popen([sys.executable, "-m", "tests.dataplane.tp_worker", str(path),
                                str(rank), "2", init, str(out)]) for rank in range(2)]
     try:

@@ -6,20 +6,14 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from common.transport import free_tcp_port as free_port  # noqa: F401 (harness.free_port)
 from splitserve.client import Client
 
 START_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Process:
