@@ -22,7 +22,7 @@ from dataplane.distributed import broadcast_from_rank0, tp_rank
 from dataplane.forward_context import ForwardContext, forward_context
 from dataplane.input_batch import BatchLimits, InputBatch, StepInputs
 from dataplane.loader import load_config, load_model, resolve_dtype
-from dataplane.sampler import SamplerOutput, SamplingBatch, Uses, sample
+from dataplane.sampler import SamplerOutput, SamplingBatch, sample
 from dataplane.sampler import compile_kernels as compile_sampler_kernels
 from protos import link_pb2
 
@@ -166,15 +166,13 @@ class ModelRunner:
                                    self.backend)
         rows = min(limits.max_num_seqs, num_tokens)
         logits = self._dummy_forward(num_tokens, num_blocks, rows)
-        if logits is not None:
-            ones = torch.ones(rows, device=self.device)
-            sample(logits, SamplingBatch(
-                temperature=ones, top_k=ones.long() * 50, top_p=ones * 0.9, min_p=ones * 0.1,
-                presence_penalty=ones, frequency_penalty=ones, repetition_penalty=ones * 1.1,
-                seeds=[None] * rows, output_index=[0] * rows,
-                output_counts=torch.zeros_like(logits, dtype=torch.float32),
-                prompt_mask=torch.zeros_like(logits, dtype=torch.bool), suppress_mask=None,
-                max_logprobs=20, uses=Uses()))
+        if logits is not None:  # every sampling feature at once
+            batch = SamplingBatch.same_for_all(rows, self.device, top_k=50, top_p=0.9, min_p=0.1,
+                                               penalty=1.0, repetition_penalty=1.1,
+                                               max_logprobs=20)
+            batch.output_counts = torch.zeros_like(logits, dtype=torch.float32)
+            batch.prompt_mask = torch.zeros_like(logits, dtype=torch.bool)
+            sample(logits, batch)
         for layer in layers:
             layer.bind_kv_cache(torch.empty(0), torch.empty(0), self.backend)
 

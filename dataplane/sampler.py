@@ -64,6 +64,23 @@ class SamplingBatch:
     max_logprobs: int  # the largest N asked for among the rows; -1 when none asked
     uses: Uses = Uses()  # the default checks everything (correct, and fine for tests)
 
+    @classmethod
+    def same_for_all(cls, rows: int, device: torch.device, *, temperature: float = 1.0,
+                     top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                     penalty: float = 0.0, repetition_penalty: float = 1.0,
+                     seed: int | None = None, max_logprobs: int = -1,
+                     uses: Uses = Uses()) -> "SamplingBatch":
+        """Every row with the same parameters (warm-ups and memory profiling); `penalty` is
+        both the presence and the frequency penalty."""
+        full = lambda value: torch.full((rows,), value, device=device)  # noqa: E731
+        return cls(temperature=full(float(temperature)), top_k=full(top_k),
+                   top_p=full(float(top_p)), min_p=full(float(min_p)),
+                   presence_penalty=full(float(penalty)),
+                   frequency_penalty=full(float(penalty)),
+                   repetition_penalty=full(float(repetition_penalty)), seeds=[seed] * rows,
+                   output_index=[0] * rows, output_counts=None, prompt_mask=None,
+                   suppress_mask=None, max_logprobs=max_logprobs, uses=uses)
+
 
 @dataclass
 class SamplerOutput:
@@ -152,7 +169,7 @@ _STEP_SEEDS = random.Random()  # unseeded rows: a fresh key per step
 def fused_draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The tokens of a batch that is not all greedy, with the fused kernel (what CUDA uses)."""
     from dataplane.kernels.gumbel_sample import gumbel_sample  # CUDA only: imports triton
-    temperature = batch.temperature.float()
+    temperature = batch.temperature
     uses = batch.uses
     if uses.top_k or uses.top_p or uses.min_p:
         # Truncate the tempered logits (as sampling_probs does) and draw from them at
@@ -161,29 +178,24 @@ def fused_draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = _truncate(logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None],
                            batch)
         temperature = (~is_greedy).float()
+    base = _STEP_SEEDS.getrandbits(62)
     row_seeds = None
     if any(seed is not None for seed in batch.seeds):
-        base = _STEP_SEEDS.getrandbits(62)
         row_seeds = torch.tensor(
             [base + row if seed is None else _seed_key(seed, batch.output_index[row])
              for row, seed in enumerate(batch.seeds)], dtype=torch.int64
         ).to(logits.device, non_blocking=True)
-    return gumbel_sample(logits, temperature, _STEP_SEEDS.getrandbits(62), row_seeds)
+    return gumbel_sample(logits, temperature, base, row_seeds)
 
 
 def compile_kernels(logits: torch.Tensor) -> None:
     """Compile the fused draw for a step's logits (their dtype and vocabulary) and for float32
     ones (after penalties or truncation), seeded and not."""
-    rows = logits.shape[0]
-    ones = torch.ones(rows, device=logits.device)
+    no_truncation = Uses(top_k=False, top_p=False, min_p=False)
     for x in (logits, logits.float()):
-        for seeds in ([None] * rows, [0] * rows):
-            fused_draw(x, SamplingBatch(
-                temperature=ones, top_k=ones.long(), top_p=ones, min_p=ones * 0,
-                presence_penalty=ones * 0, frequency_penalty=ones * 0, repetition_penalty=ones,
-                seeds=seeds, output_index=[0] * rows, output_counts=None, prompt_mask=None,
-                suppress_mask=None, max_logprobs=-1, uses=Uses(top_k=False, top_p=False,
-                                                               min_p=False)))
+        for seed in (None, 0):
+            fused_draw(x, SamplingBatch.same_for_all(x.shape[0], x.device, seed=seed,
+                                                     uses=no_truncation))
 
 
 def _seed_key(seed: int, output_index: int) -> int:
