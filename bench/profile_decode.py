@@ -1,6 +1,7 @@
-"""Where a decode-heavy step's time goes, in-process: torch.profiler over a batch of 256
-requests (512-token prompts, 40 output tokens) after an identical warm-up run. Prints the top
-device kernels, the top host ops, the device-busy share and the host-side breakdown.
+"""Where a decode step's time goes, in-process: torch.profiler over 20 decode steps of 256
+requests (512-token prompts, 40 output tokens; the prefill steps before them are not profiled)
+after an identical warm-up run. Prints the wall and device-kernel time per step, the top device
+kernels, the top host ops and the host-side breakdown.
 
     python bench/profile_decode.py [--model qwen3-0.6b] [--out trace.json]
 """
@@ -38,17 +39,27 @@ def main() -> None:
     llm.generate(prompts, max_tokens=40, temperature=0.6, ignore_eos=True)
     host = HostTimes(llm)
     prompts = [[rng.randint(0, 10000) for _ in range(512)] for _ in range(256)]
-    steps = llm.engine.num_steps
+    # Profile decode steps only: the prompts' prefill (8 steps of 16384 tokens) is skipped.
+    schedule = torch.profiler.schedule(wait=12, warmup=2, active=20, repeat=1)
+    marks: list[float] = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
+                                            torch.profiler.ProfilerActivity.CUDA],
+                                schedule=schedule) as prof:
+        inner = llm.runner.submit
+
+        def submit(step):
+            pending = inner(step)
+            prof.step()
+            marks.append(time.perf_counter())
+            return pending
+        llm.runner.submit = submit
         llm.generate(prompts, max_tokens=40, temperature=0.6, ignore_eos=True)
-        wall = time.perf_counter() - start
-    steps = llm.engine.num_steps - steps
+    steps = 20
+    wall = marks[14 + steps - 1] - marks[14 - 1]
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events)
-    print(f"{steps} steps in {wall:.2f}s: {1e3 * wall / steps:.2f} ms/step; device busy "
-          f"{device_us / 1e6:.2f}s ({device_us / 1e6 / wall:.0%})")
+    print(f"{steps} decode steps of 256 rows: {1e3 * wall / steps:.2f} ms/step wall; device "
+          f"kernels {device_us / 1e3 / steps:.2f} ms/step ({device_us / 1e6 / wall:.0%})")
     print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     print("host:", host.report())

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -130,6 +131,47 @@ class HostTimes:
                 for name in self.seconds}
 
 
+class DeviceTimeline:
+    """When the device works and when it waits, in the in-process run: a timing event before
+    and after each step's device work (it fires when the device gets there), so a step's device
+    time excludes the queue ahead of it, and the time from one step's end to the next one's
+    start is the device waiting for the host. Read once, after the run."""
+
+    def __init__(self, llm) -> None:
+        self.steps: list[tuple] = []  # (start event, end event, rows, tokens, context tokens)
+        runner = llm.runner
+        inner = runner.submit
+
+        def submit(step):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            pending = inner(step)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            scheduled = np.frombuffer(step.num_scheduled_tokens, dtype=np.int32)
+            computed = np.frombuffer(step.num_computed_tokens, dtype=np.int32)
+            self.steps.append((start, end, len(scheduled), int(scheduled.sum()),
+                               int(computed.sum() + scheduled.sum())))
+            return pending
+        runner.submit = submit
+
+    def report(self) -> dict:
+        """Device busy and idle seconds over the run, and per decode-batch bucket the mean
+        device time and the mean gap before a step."""
+        torch.cuda.synchronize()
+        busy = [s[0].elapsed_time(s[1]) / 1e3 for s in self.steps]
+        gaps = [0.0] + [a[1].elapsed_time(b[0]) / 1e3 for a, b in zip(self.steps, self.steps[1:])]
+        buckets: dict[str, list] = {}
+        for (_, _, rows, tokens, context), b, g in zip(self.steps, busy, gaps):
+            kind = "mixed" if tokens > rows else f"decode {min(256, -(-rows // 32) * 32)}"
+            buckets.setdefault(kind, []).append((b, g, context))
+        return {"device_busy_s": sum(busy), "device_idle_s": sum(gaps),
+                "buckets": {k: {"steps": len(v), "busy_ms": 1e3 * sum(x[0] for x in v) / len(v),
+                                "gap_ms": 1e3 * sum(x[1] for x in v) / len(v),
+                                "context_tokens": sum(x[2] for x in v) // len(v)}
+                            for k, v in sorted(buckets.items())}}
+
+
 def warm_up(prompts: list[list[int]]) -> tuple[list[list[int]], list[dict]]:
     """A small run with the workload's prompt shapes, before timing in both modes: kernels
     compile for the shapes they will see (prefill chunks mixed with decodes, every batch
@@ -146,6 +188,7 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
               gpu_memory_utilization=args.gpu_memory_utilization)
     llm.generate(*warm_up(prompts), ignore_eos=True)
     host = HostTimes(llm)
+    timeline = DeviceTimeline(llm)
     steps_before = llm.engine.num_steps
     cpu_before = time.process_time()
     start = time.perf_counter()
@@ -154,12 +197,14 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     seconds = time.perf_counter() - start
     steps = llm.engine.num_steps - steps_before
     info = llm.dataplane.info
+    device = timeline.report()
     llm.close()
     print("host time:", json.dumps(host.report()), flush=True)
+    print("device time:", json.dumps(device), flush=True)
     return {"seconds": seconds, "output_tokens": sum(c.completion_tokens for c in done),
             "num_steps": steps, "process_cpu_ms_per_step": 1e3 * (time.process_time() - cpu_before) / steps,
             "num_kv_blocks": info.num_kv_blocks, "attention_backend": info.attention_backend,
-            "host_time": host.report()}
+            "host_time": host.report(), "device_time": device}
 
 
 def run_split(model_dir, prompts, outputs, args) -> dict:

@@ -16,7 +16,7 @@ pytestmark = KERNEL_MARKS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [7, 1000, 151936])
+@pytest.mark.parametrize("vocab", [7, 5000, 151936])
 def test_greedy_rows_are_the_argmax_with_ties_to_the_lowest_id(dtype, vocab, device, gen):
     skip_unsupported(dtype, device)
     if vocab > 10000 and not on_gpu(device):
@@ -26,7 +26,7 @@ def test_greedy_rows_are_the_argmax_with_ties_to_the_lowest_id(dtype, vocab, dev
     logits[1, vocab // 2] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie across blocks
     logits[2, :] = 0.5  # all tied
     zeros = torch.zeros(rows, device=device)
-    got = gumbel_sample(logits, zeros, base_seed=1, block=256)
+    got = gumbel_sample(logits, zeros, base_seed=1, chunk=2048)  # ties across chunks
     assert got.tolist() == logits.float().argmax(dim=-1).tolist()
 
 
@@ -39,6 +39,10 @@ def test_a_seeded_row_depends_on_its_logits_and_seed_only(device, gen):
     first = gumbel_sample(logits, t, base_seed=5, row_seeds=seeds)
     again = gumbel_sample(logits[[3, 0]], t[:2], base_seed=999, row_seeds=seeds[[3, 0]])
     assert first[0] == first[3] == again[0] == again[1]
+    # nor on how the kernel cuts the row
+    wide = randn(3, 5000, dtype=torch.float32, device=device, gen=gen)
+    assert gumbel_sample(wide, t[:3], base_seed=5, row_seeds=seeds[:3], chunk=2048).tolist() \
+        == gumbel_sample(wide, t[:3], base_seed=5, row_seeds=seeds[:3], chunk=8192).tolist()
     # unseeded rows change with the step's key
     draws = {tuple(gumbel_sample(logits, t, base_seed=s).tolist()) for s in range(5)}
     assert len(draws) > 1
