@@ -7,7 +7,8 @@ import uuid
 import grpc
 
 from common.model_info import ModelInfo
-from controlplane.engine import Chunk, Engine, NotAccepting
+from controlplane.engine import Engine, NotAccepting
+from controlplane.streams import Chunk
 from controlplane.request import FinishReason, Request
 from controlplane.validation import Limits, ValidationError, sampling_params, validate_prompt, \
     validate_request_id

@@ -26,9 +26,11 @@ from controlplane.kv_manager import KVCacheManager
 from controlplane.request import FinishReason, Request
 from controlplane.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from controlplane.step_codec import TokenLogprobs, decode_result, encode_step
-from controlplane.tokenizer import IncrementalDetokenizer, Tokenizer
+from controlplane.streams import Chunk, Releases, RequestStream
+from controlplane.tokenizer import Tokenizer
 
 log = logging.getLogger("splitserve.engine")
+_RELEASE_BATCH = 16  # streams woken per turn of the loop while a step runs
 
 
 class Attachment(enum.Enum):
@@ -65,85 +67,6 @@ class NotAccepting(Exception):
     """The engine takes no new requests now (no data plane, or draining)."""
 
 
-@dataclass(slots=True)
-class Chunk:
-    """What one step adds to one request's stream."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    # usage, on the last chunk
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-
-
-class RequestStream:
-    """One request's output, consumed by its RPC. The engine adds each step's token; the consumer
-    takes everything added since it last looked as one chunk, so a consumer that fell behind (its
-    last message still being written) sends fewer, larger messages instead of falling further
-    behind. With `interval` > 1 it is woken only once that many tokens wait (or the request
-    ended). Nothing is kept per token but the token, its text and its logprobs."""
-
-    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer,
-                 interval: int = 1) -> None:
-        self.request = request
-        self.detokenizer = detokenizer
-        self.interval = interval
-        self._token_ids: list[int] = []
-        self._texts: list[str] = []
-        self._logprobs: list[TokenLogprobs] = []
-        self._last: Chunk | None = None  # set when the request ended: reason and usage
-        self._waiter: asyncio.Future | None = None
-
-    def add(self, token_id: int, text: str, logprobs: TokenLogprobs | None) -> None:
-        self._token_ids.append(token_id)
-        if text:
-            self._texts.append(text)
-        if logprobs is not None:
-            self._logprobs.append(logprobs)
-        if len(self._token_ids) >= self.interval:
-            self._wake()
-
-    def end(self, last: Chunk) -> None:
-        """The request ended: `last` carries the reason and usage (and no tokens)."""
-        self._last = last
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    def _ready(self) -> bool:
-        return len(self._token_ids) >= self.interval or self._last is not None
-
-    def _take(self) -> Chunk:
-        chunk = self._last or Chunk()
-        chunk.token_ids, chunk.text, chunk.logprobs = \
-            self._token_ids, "".join(self._texts), self._logprobs
-        self._token_ids, self._texts, self._logprobs = [], [], []
-        return chunk
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        while True:
-            if not self._ready():
-                self._waiter = asyncio.get_running_loop().create_future()
-                await self._waiter
-                self._waiter = None
-                continue
-            chunk = self._take()
-            last = chunk.finish_reason is not None
-            yield chunk
-            if last:
-                return
-
-
 @dataclass
 class _InFlight:
     out: SchedulerOutput
@@ -165,6 +88,7 @@ class Engine:
         self.draining = False
         self._closing = False
         self.streams: dict[str, RequestStream] = {}
+        self.releases = Releases()  # streams whose consumer waits for tokens it can have
         self.deadline = StepDeadline(cap_s=config.step_timeout_cap_s)
         self.num_preemptions = 0
         self.num_dataplane_losses = 0
@@ -194,7 +118,7 @@ class Engine:
             raise NotAccepting("draining" if self.draining else "no data plane is attached")
         assert request.request_id not in self.streams, "request ids are unique among live requests"
         stream = RequestStream(request, self.tokenizer.detokenizer(request.sampling.stop),
-                               self.config.stream_interval)
+                               self.config.stream_interval, self.releases)
         self.streams[request.request_id] = stream
         self._idle.clear()
         self.scheduler.add(request)
@@ -241,6 +165,7 @@ class Engine:
         """Make run() return at its next turn. (Cancelling it is not enough on Python 3.11:
         asyncio.wait_for can swallow a cancellation that races with its result.)"""
         self._closing = True
+        self.releases.release()
         for step in self._in_flight:
             step.reply.cancel()
         self._wakeup.set()
@@ -290,6 +215,7 @@ class Engine:
     def _lose(self, error: DataPlaneLost) -> None:
         assert self.attachment is Attachment.ATTACHED
         self.num_dataplane_losses += 1
+        self.releases.release()
         if error.step_failed and self._in_flight:
             self._blame(self._in_flight[0].out)
         for step in self._in_flight:
@@ -339,13 +265,16 @@ class Engine:
             while len(self._in_flight) < self.config.pipeline_depth and self._launch(epoch):
                 pass
             if not self._in_flight:
+                self.releases.release()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            # RPCs run now (they send the last step's chunks), after the next step has gone out:
-            # the device works while the stream messages are written.
-            await asyncio.sleep(0)
+            # Consumers take their tokens now, after the next step has gone out, a batch at a
+            # time until this step's answer is in (controlplane/streams.py says why).
             step = self._in_flight[0]
+            while self.releases and not step.reply.done():
+                self.releases.release(_RELEASE_BATCH)
+                await asyncio.sleep(0)
             try:
                 result = await step.reply
             except asyncio.CancelledError:

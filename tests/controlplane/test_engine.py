@@ -232,3 +232,21 @@ def test_an_idle_engine_notices_a_loss_at_once():
         return engine.num_dataplane_losses
 
     assert run(body) == 1
+
+
+def test_many_streams_whose_steps_come_back_at_once_get_every_token_in_order():
+    """More streams than the engine wakes in one turn, read concurrently, and a data plane that
+    answers at once: every stream still gets all of its tokens, in order, and its end."""
+    config = EngineConfig(SchedulerConfig(max_num_seqs=64, max_model_len=64))
+
+    async def body(engine, dp):
+        prompts = {f"r{i}": [i + 1, 2 * i + 3] for i in range(48)}
+        streams = {rid: engine.add_request(make_request(rid, p, max_tokens=12))
+                   for rid, p in prompts.items()}
+        chunks = await asyncio.gather(*(collect(s) for s in streams.values()))
+        return prompts, dict(zip(streams, chunks))
+
+    prompts, results = run(body, config, FakeDataPlane(num_kv_blocks=256))
+    for rid, chunks in results.items():
+        assert tokens_of(chunks) == expected_tokens(prompts[rid], 12)
+        assert chunks[-1].finish_reason is FinishReason.LENGTH
