@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched call on a lent GPU machine (see ../shared/gpu/README.md): carried wheels and the
 # FlashAttention-4 bundle installed, then the stages named on the command line, each logging to
-# $OUT. Stages: tests (GPU-marked tests), runner (the runner, serve, TP=2 and sampler tests),
+# $OUT. Stages: tests (GPU-marked tests), runner (the runner, serve, TP=2, sampler and
+# elementwise-kernel tests),
 # kernels (kernel micro-benchmarks), moe (fused MoE tuning), profile (where a decode step's time
 # goes), bench-0.6b, bench-8b, bench-30b (workload A, both modes), bench-0.6b-si4 (split with
 # --stream-interval 4), bench-0.6b-tp2. Timings seen on the H200s: runner ~180 s (estimated from two partial runs), bench-0.6b
@@ -33,7 +34,7 @@ for stage in "$@"; do
     runner) timeout 400 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
              tests/dataplane/test_moe_vs_hf.py tests/dataplane/kernels/test_gumbel_sample.py \
-             > "$OUT/runner.log" 2>&1
+             tests/dataplane/kernels/test_elementwise.py > "$OUT/runner.log" 2>&1
            grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/runner.log" | tail -60 ;;
     kernels) timeout 150 python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 \
              | tee "$OUT/kernels.log" | tail -40 ;;
