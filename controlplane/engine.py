@@ -269,12 +269,14 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            # Consumers take their tokens now, after the next step has gone out, a batch at a
-            # time until this step's answer is in (controlplane/streams.py says why).
+            # Consumers take their tokens now, after the next step has gone out: one batch, then
+            # more until this step's answer is in (controlplane/streams.py says why).
             step = self._in_flight[0]
-            while self.releases and not step.reply.done():
+            while self.releases:
                 self.releases.release(_RELEASE_BATCH)
                 await asyncio.sleep(0)
+                if step.reply.done():
+                    break
             try:
                 result = await step.reply
             except asyncio.CancelledError:

@@ -4,11 +4,11 @@ and the queue that decides when a waiting consumer is woken for new tokens.
 Writing a stream message costs the control plane tens of microseconds of CPU (a gRPC write is a
 syscall on the loop's thread); with hundreds of streams that is most of a step's CPU, and it
 shares the one loop with the engine. So a consumer waiting for tokens is not woken the moment
-they arrive: its stream joins `Releases`, and the engine wakes the queue a batch at a time while
-it waits for the data plane, stopping as soon as the step's answer is in, so the next step goes
-out first. While the control plane keeps up, every token still goes out at once; when it falls
-behind, the streams left in the queue gather their tokens into fewer, larger messages instead
-of delaying the device. Tokens are never dropped or reordered, and a stream's last chunk (end,
+they arrive: its stream joins `Releases`, and after each step's result the engine wakes one
+batch of the queue, then more while it waits for the data plane, stopping as soon as the next
+answer is in, so the next step goes out first. While the control plane keeps up (or serves few
+streams), every token still goes out at once; when it falls behind, the streams left in the
+queue gather their tokens into fewer, larger messages instead of delaying the device. Tokens are never dropped or reordered, and a stream's last chunk (end,
 abort, failure) wakes its consumer at once.
 """
 
