@@ -5,7 +5,7 @@
 # elementwise-kernel tests),
 # kernels (kernel micro-benchmarks), moe (fused MoE tuning), profile (where a decode step's time
 # goes), bench-0.6b, bench-8b, bench-30b (workload A, both modes), bench-0.6b-si4 (split with
-# --stream-interval 4), bench-0.6b-tp2. Timings seen on the H200s: runner ~180 s (estimated from two partial runs), bench-0.6b
+# --stream-interval 4), bench-0.6b-tp2. Timings seen on the H200s: runner ~175 s (207 tests in 171 s on the two-GPU machine), bench-0.6b
 # ~50 s, bench-8b ~70 s (both modes each); a machine takes ~40 s to start. Set
 # SPLITSERVE_COMMIT to the hash, written out in the command (the device machine's copy of the
 # tree may carry a stale .git: `git rev-parse` there once reported an older commit than the tree

@@ -8,7 +8,9 @@ at real shapes, in two modes:
 It measures the device's copy bandwidth in the same run and the workload's bandwidth roofline
 (bytes every decode step must read: the weights once plus every cached token's K and V), and
 writes one JSON per mode to --out-dir with output tokens/s, the fraction of the roofline, the
-split/in-process ratio, bytes per step over ZeroMQ and the control plane's CPU time per step.
+split/in-process ratio, bytes per step over ZeroMQ and the control plane's CPU time per step;
+in-process also the host time per runner/engine call and the device's busy and idle time per
+step by batch size.
 
     python bench/throughput.py --model qwen3-0.6b --modes inprocess split --out-dir bench/results
 """
