@@ -1,6 +1,7 @@
 """The control plane's CPU time per step with many streams, on any machine: `splitserve serve`
 on CPU with the small default model, N requests streamed at once through the gRPC client, and
-the control plane's own CPU seconds per step from GetLoad. The data plane's speed does not
+the CPU seconds per step of the control plane's engine process and of its gRPC front-end from
+GetLoad. The data plane's speed does not
 matter here (it is another process); this is the cost that paces split mode on a fast GPU.
 
     python bench/controlplane_cpu.py --num-requests 256 --max-tokens 200
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument("--frontends", type=int, default=1, help="serve's --frontends")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
     port = free_tcp_port()
@@ -36,7 +38,9 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--port", str(port),
                                "--max-num-seqs", str(args.num_requests),
                                "--max-waiting-requests", "4096",
-                               "--stream-interval", str(args.stream_interval)], cwd=ROOT, stdout=log, stderr=log)
+                               "--stream-interval", str(args.stream_interval),
+                               "--frontends", str(args.frontends)],
+                              cwd=ROOT, stdout=log, stderr=log)
     address = f"127.0.0.1:{port}"
     rng = random.Random(0)
     prompts = [[rng.randint(1, 500) for _ in range(rng.randint(8, 32))]
@@ -62,10 +66,12 @@ def main() -> None:
     steps = after.num_steps - before.num_steps
     result = {
         "num_requests": args.num_requests, "max_tokens": args.max_tokens,
-        "stream_interval": args.stream_interval, "num_steps": steps,
+        "stream_interval": args.stream_interval, "frontends": args.frontends, "num_steps": steps,
         "output_tokens": sum(c.completion_tokens for c in done), "seconds": seconds,
         "control_plane_cpu_ms_per_step":
             1e3 * (after.control_plane_cpu_seconds - before.control_plane_cpu_seconds) / steps,
+        "frontend_cpu_ms_per_step":
+            1e3 * (after.frontend_cpu_seconds - before.frontend_cpu_seconds) / steps,
         "stream_messages_per_token":
             sum(c.num_chunks for c in done) / sum(c.completion_tokens for c in done)}
     print(json.dumps(result, indent=1))

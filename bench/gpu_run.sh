@@ -5,7 +5,7 @@
 # elementwise-kernel tests),
 # kernels (kernel micro-benchmarks), moe (fused MoE tuning), profile (where a decode step's time
 # goes), bench-0.6b, bench-8b, bench-30b (workload A, both modes), bench-0.6b-si4 (split with
-# --stream-interval 4), bench-0.6b-tp2. Timings seen on the H200s: runner ~175 s (207 tests in 171 s on the two-GPU machine), bench-0.6b
+# --stream-interval 4), bench-0.6b-fe0 (split, gRPC in the engine's process), bench-0.6b-tp2. Timings seen on the H200s: runner ~175 s (207 tests in 171 s on the two-GPU machine), bench-0.6b
 # ~50 s, bench-8b ~70 s (both modes each); a machine takes ~40 s to start. Set
 # SPLITSERVE_COMMIT to the hash, written out in the command (the device machine's copy of the
 # tree may carry a stale .git: `git rev-parse` there once reported an older commit than the tree
@@ -44,6 +44,7 @@ for stage in "$@"; do
     bench-8b) timeout 240 python3 bench/throughput.py --model qwen3-8b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-30b) timeout 300 python3 bench/throughput.py --model qwen3-30b-a3b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-si4) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --stream-interval 4 --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-0.6b-fe0) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --frontends 0 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-tp2) timeout 400 python3 bench/throughput.py --model qwen3-0.6b --modes split --tp 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;
   esac

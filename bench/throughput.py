@@ -8,7 +8,8 @@ at real shapes, in two modes:
 It measures the device's copy bandwidth in the same run and the workload's bandwidth roofline
 (bytes every decode step must read: the weights once plus every cached token's K and V), and
 writes one JSON per mode to --out-dir with output tokens/s, the fraction of the roofline, the
-split/in-process ratio, bytes per step over ZeroMQ and the control plane's CPU time per step;
+split/in-process ratio, bytes per step over ZeroMQ and the CPU time per step of the control
+plane's engine process and of its gRPC front-end;
 in-process also the host time per runner/engine call and the device's busy and idle time per
 step by batch size.
 
@@ -220,7 +221,7 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
          str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
          "--attention-backend", args.attention_backend, "--tp", str(args.tp),
          "--max-waiting-requests", "4096", "--step-timeout", "600",
-         "--stream-interval", str(args.stream_interval)]
+         "--stream-interval", str(args.stream_interval), "--frontends", str(args.frontends)]
         + (["--enforce-eager"] if args.enforce_eager else []), cwd=ROOT, stdout=log, stderr=log)
     address = f"127.0.0.1:{port}"
     try:
@@ -259,6 +260,8 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
             "bytes_per_step_received": (after.link_bytes_received - before.link_bytes_received) / steps,
             "control_plane_cpu_ms_per_step":
                 1e3 * (after.control_plane_cpu_seconds - before.control_plane_cpu_seconds) / steps,
+            "frontend_cpu_ms_per_step":
+                1e3 * (after.frontend_cpu_seconds - before.frontend_cpu_seconds) / steps,
             "num_kv_blocks": after.kv_blocks_total}
 
 
@@ -279,6 +282,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="split mode only")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="split mode only: serve's --stream-interval (tokens per message)")
+    parser.add_argument("--frontends", type=int, default=1,
+                        help="split mode only: serve's --frontends (gRPC front-end processes)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -317,6 +322,7 @@ def main() -> None:
 
 def _save(args, mode: str, result: dict) -> None:
     suffix = f"-si{args.stream_interval}" if mode == "split" and args.stream_interval != 1 else ""
+    suffix += f"-fe{args.frontends}" if mode == "split" and args.frontends != 1 else ""
     name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 

@@ -1,5 +1,6 @@
-"""Wire the control plane together and run it: link, engine, gRPC server with health and
-reflection; drain on SIGTERM."""
+"""Wire the control plane together and run it: link, engine, and the gRPC API with health and
+reflection, served by front-end processes (controlplane/frontend.py) or, with no front-ends, in
+this process; drain on SIGTERM."""
 
 import asyncio
 import faulthandler
@@ -16,11 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.model_info import ModelInfo
-from common.transport import LinkConfig
+from common.transport import LinkConfig, free_tcp_port, private_ipc_address
 from controlplane.api_server import GenerationServicer
-from controlplane.auth import ApiKeyInterceptor, read_api_keys
+from controlplane.auth import ApiKeyInterceptor, read_api_keys, server_credentials
 from controlplane.dataplane_link import DataPlaneLink
 from controlplane.engine import Engine, EngineConfig
+from controlplane.frontend_link import FrontendLink
 from controlplane.scheduler import SchedulerConfig
 from controlplane.tokenizer import Tokenizer
 from protos import generation_pb2, generation_pb2_grpc, link_pb2
@@ -31,6 +33,7 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 # SERVING whenever the server answers at all: for liveness probes, which must not fail just
 # because no data plane is attached (that is readiness, the "" service).
 LIVENESS_SERVICE = "liveness"
+FRONTEND_START_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -53,14 +56,15 @@ class ControlPlaneConfig:
     tls_cert: pathlib.Path | None = None
     tls_key: pathlib.Path | None = None
     tls_client_ca: pathlib.Path | None = None  # set: clients must present a certificate it signed
+    num_frontends: int = 1  # gRPC front-end processes; 0: gRPC in this process
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        if self.max_waiting_requests < 0 or self.drain_timeout_s < 0:
-            raise ValueError("max_waiting_requests and drain_timeout_s must be >= 0")
+        if self.max_waiting_requests < 0 or self.drain_timeout_s < 0 or self.num_frontends < 0:
+            raise ValueError("max_waiting_requests, drain_timeout_s and frontends must be >= 0")
 
     @property
     def max_concurrent_rpcs(self) -> int:
@@ -84,10 +88,16 @@ class ControlPlaneConfig:
 
 class ControlPlane:
     """Everything the control plane runs, built from its config (see `start`).
-    `on_dataplane_lost` is called when the link loses a data plane (serve restarts its child)."""
+    `on_dataplane_lost` is called when the link loses a data plane (serve restarts its child).
+    `spawn(argv)` starts a supervised `splitserve <argv>` child and returns its supervisor
+    (something with `async stop()`): the front-ends are started with it."""
 
-    def __init__(self, config: ControlPlaneConfig, on_dataplane_lost=None) -> None:
+    def __init__(self, config: ControlPlaneConfig, on_dataplane_lost=None, spawn=None) -> None:
+        assert spawn is not None or config.num_frontends == 0, "front-ends need `spawn`"
         self.config = config
+        self._spawn = spawn
+        self._frontends: list = []  # their supervisors
+        self.frontend_link: FrontendLink | None = None
         self.model = ModelInfo.from_dir(config.model_dir)
         self.engine_config = config.engine_config(self.model)
         self._on_dataplane_lost = on_dataplane_lost or (lambda: None)
@@ -113,47 +123,81 @@ class ControlPlane:
             self._on_dataplane_lost()
 
     def _refresh_health(self) -> None:
-        serving = self.link.is_attached and self.engine.is_serving
+        serving = self.is_serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else \
             health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", SERVICE_NAME):
             self.health.set(service, status)
+        if self.frontend_link is not None:
+            self.frontend_link.state_changed()
+
+    @property
+    def is_serving(self) -> bool:
+        return self.link.is_attached and self.engine.is_serving
 
     async def start(self) -> int:
-        """Bind the link and the gRPC port and start the engine; returns the gRPC port."""
+        """Bind the link, start the engine and serve gRPC (through the front-ends, once one
+        reported it serves); returns the gRPC port."""
         self._refresh_health()
         self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.link.start()
+        servicer = GenerationServicer(self.engine, self.model,
+                                      self.engine_config.scheduler.max_model_len,
+                                      self.config.max_waiting_requests, self.config.max_logprobs)
+        self.engine_task = asyncio.create_task(self.engine.run(), name="engine")
+        if self.config.num_frontends:
+            self.port = await self._start_frontends(servicer)
+        else:
+            self.port = await self._start_grpc(servicer)
+        log.info("serving gRPC on %s:%d; data planes connect to %s", self.config.host, self.port,
+                 self.config.dataplane_address)
+        return self.port
+
+    async def _start_frontends(self, servicer: GenerationServicer) -> int:
+        # Every front-end binds the same port (gRPC sets SO_REUSEPORT), so one is chosen here.
+        port = self.config.port or free_tcp_port()
+        address = private_ipc_address("frontend")
+        self.frontend_link = FrontendLink(address, servicer, serving=lambda: self.is_serving)
+        started = asyncio.Event()
+        self.frontend_link.on_hello = lambda _: started.set()
+        await self.frontend_link.start()
+        argv = self._frontend_argv(address, port)
+        self._frontends = [self._spawn(argv) for _ in range(self.config.num_frontends)]
+        try:
+            await asyncio.wait_for(started.wait(), FRONTEND_START_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(f"no gRPC front-end started within {FRONTEND_START_TIMEOUT_S:.0f}s"
+                               ) from None
+        return port
+
+    def _frontend_argv(self, address: str, port: int) -> list[str]:
+        c = self.config
+        argv = ["frontend", "--engine-address", address, "--host", c.host, "--port", str(port),
+                "--max-concurrent-rpcs", str(c.max_concurrent_rpcs),
+                "--log-level", logging.getLevelName(logging.getLogger().level)]
+        for flag, path in (("--api-key-file", c.api_key_file), ("--tls-cert", c.tls_cert),
+                           ("--tls-key", c.tls_key), ("--tls-client-ca", c.tls_client_ca)):
+            if path is not None:
+                argv += [flag, str(path)]
+        return argv
+
+    async def _start_grpc(self, servicer: GenerationServicer) -> int:
         interceptors = []
         if self.config.api_key_file is not None:
             interceptors.append(ApiKeyInterceptor(read_api_keys(self.config.api_key_file)))
         self.server = grpc.aio.server(interceptors=interceptors,
                                       maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.engine, self.model, self.engine_config.scheduler.max_model_len,
-                               self.config.max_waiting_requests, self.config.max_logprobs),
-            self.server)
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         address = f"{self.config.host}:{self.config.port}"
-        credentials = self._tls_credentials()
-        self.port = self.server.add_secure_port(address, credentials) if credentials else \
+        c = self.config
+        credentials = server_credentials(c.tls_cert, c.tls_key, c.tls_client_ca)
+        port = self.server.add_secure_port(address, credentials) if credentials else \
             self.server.add_insecure_port(address)
         await self.server.start()
-        self.engine_task = asyncio.create_task(self.engine.run(), name="engine")
-        log.info("serving gRPC on %s:%d; data planes connect to %s", self.config.host, self.port,
-                 self.config.dataplane_address)
-        return self.port
-
-    def _tls_credentials(self) -> grpc.ServerCredentials | None:
-        c = self.config
-        if c.tls_cert is None:
-            return None
-        client_ca = c.tls_client_ca.read_bytes() if c.tls_client_ca else None
-        return grpc.ssl_server_credentials([(c.tls_key.read_bytes(), c.tls_cert.read_bytes())],
-                                           root_certificates=client_ca,
-                                           require_client_auth=client_ca is not None)
+        return port
 
     async def drain_and_stop(self) -> None:
         """SIGTERM: NOT_SERVING at once, no new requests, live ones get up to drain_timeout_s,
@@ -169,6 +213,11 @@ class ControlPlane:
         if self.server is not None:
             log.info("stopping the gRPC server")
             await self.server.stop(grace_s)
+        if self._frontends:
+            log.info("stopping the gRPC front-ends")
+            await asyncio.gather(*(frontend.stop() for frontend in self._frontends))
+        if self.frontend_link is not None:
+            await self.frontend_link.close()
         if self.engine_task is not None:
             log.info("stopping the engine")
             self.engine.close()

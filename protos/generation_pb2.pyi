@@ -173,7 +173,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_preemptions", "num_dataplane_losses", "num_steps", "link_bytes_sent", "link_bytes_received", "control_plane_cpu_seconds")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_preemptions", "num_dataplane_losses", "num_steps", "link_bytes_sent", "link_bytes_received", "control_plane_cpu_seconds", "frontend_cpu_seconds")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,7 @@ class Load(_message.Message):
     LINK_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     LINK_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     CONTROL_PLANE_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_used: int
@@ -194,4 +195,5 @@ class Load(_message.Message):
     link_bytes_sent: int
     link_bytes_received: int
     control_plane_cpu_seconds: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_dataplane_losses: _Optional[int] = ..., num_steps: _Optional[int] = ..., link_bytes_sent: _Optional[int] = ..., link_bytes_received: _Optional[int] = ..., control_plane_cpu_seconds: _Optional[float] = ...) -> None: ...
+    frontend_cpu_seconds: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_dataplane_losses: _Optional[int] = ..., num_steps: _Optional[int] = ..., link_bytes_sent: _Optional[int] = ..., link_bytes_received: _Optional[int] = ..., control_plane_cpu_seconds: _Optional[float] = ..., frontend_cpu_seconds: _Optional[float] = ...) -> None: ...

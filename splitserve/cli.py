@@ -3,6 +3,7 @@
   serve         the control plane plus locally spawned data-plane ranks, one command
   controlplane  the control plane alone (gRPC API; binds the ZeroMQ port data planes connect to)
   dataplane     the data plane alone (connects to a control plane)
+  frontend      (internal) a gRPC front-end process; serve and controlplane start theirs
   generate      stream a completion from a running server
   health        exit 0 only when a server is SERVING
   demo-model    write the default tiny random-weight model to a directory (for containers)
@@ -53,13 +54,11 @@ def _add_api(p: argparse.ArgumentParser) -> None:
                         "fewer): larger values send fewer messages, for less control-plane CPU "
                         "per token with many streams (default %(default)s). Tokens that pile up "
                         "while a message is being written go out together in any case")
-    p.add_argument("--api-key-file", type=pathlib.Path, default=None,
-                   help="require 'authorization: Bearer <key>' on every RPC but health; one key "
-                        "per line")
-    p.add_argument("--tls-cert", type=pathlib.Path, default=None, help="serve TLS: certificate (PEM)")
-    p.add_argument("--tls-key", type=pathlib.Path, default=None, help="serve TLS: private key (PEM)")
-    p.add_argument("--tls-client-ca", type=pathlib.Path, default=None,
-                   help="mutual TLS: clients must present a certificate signed by this CA")
+    p.add_argument("--frontends", type=int, default=1, metavar="N",
+                   help="gRPC front-end processes: they hold the client connections and write "
+                        "the stream messages, so that the engine's loop does not; 0 serves gRPC "
+                        "in the engine's process (default %(default)s)")
+    _add_grpc_security(p)
     p.add_argument("--reattach-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="after a data-plane loss, how long requests wait for one to (re)attach "
                         "before they end UNAVAILABLE (default %(default)s)")
@@ -68,6 +67,16 @@ def _add_api(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="cap on a step's deadline; within it the deadline follows observed "
                         "step times (default %(default)s)")
+
+
+def _add_grpc_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key-file", type=pathlib.Path, default=None,
+                   help="require 'authorization: Bearer <key>' on every RPC but health; one key "
+                        "per line")
+    p.add_argument("--tls-cert", type=pathlib.Path, default=None, help="serve TLS: certificate (PEM)")
+    p.add_argument("--tls-key", type=pathlib.Path, default=None, help="serve TLS: private key (PEM)")
+    p.add_argument("--tls-client-ca", type=pathlib.Path, default=None,
+                   help="mutual TLS: clients must present a certificate signed by this CA")
 
 
 def _add_dataplane(p: argparse.ArgumentParser) -> None:
@@ -164,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     _add_logging(dp)
 
+    fe = sub.add_parser("frontend", help="(internal) a gRPC front-end of a control plane")
+    fe.add_argument("--engine-address", required=True, help="the engine process's ipc:// socket")
+    fe.add_argument("--host", default="127.0.0.1")
+    fe.add_argument("--port", type=int, required=True)
+    fe.add_argument("--max-concurrent-rpcs", type=int, default=None)
+    _add_grpc_security(fe)
+    fe.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    _add_logging(fe)
+
     gen = sub.add_parser("generate", help="stream a completion from a running server",
                          description="Stream a completion to stdout; usage goes to stderr. "
                                      "Unset sampling flags take the server's defaults.")
@@ -241,7 +259,16 @@ def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address:
         stream_interval=args.stream_interval, api_key_file=args.api_key_file,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, reattach_timeout_s=args.reattach_timeout,
-        drain_timeout_s=args.drain_timeout, link=_link_config(args, server=True))
+        drain_timeout_s=args.drain_timeout, link=_link_config(args, server=True),
+        num_frontends=args.frontends)
+
+
+def _spawn(argv: list[str]):
+    """A supervised `splitserve <argv>` child (restarted when it dies); returns its supervisor."""
+    from splitserve.supervisor import Supervisor
+    supervisor = Supervisor([sys.executable, "-m", "splitserve", *argv])
+    supervisor.task = asyncio.create_task(supervisor.run())
+    return supervisor
 
 
 def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str) -> list[str]:
@@ -269,7 +296,7 @@ async def _serve(args: argparse.Namespace) -> None:
                              *_dataplane_argv(args, model, address)])
     # A data plane the control plane gave up on (hung, frozen) is killed and started again.
     control_plane = ControlPlane(_controlplane_config(args, model, address),
-                                 on_dataplane_lost=supervisor.restart)
+                                 on_dataplane_lost=supervisor.restart, spawn=_spawn)
     supervised = asyncio.create_task(supervisor.run())
     try:
         await run_until_signal(control_plane)
@@ -281,7 +308,19 @@ async def _serve(args: argparse.Namespace) -> None:
 
 async def _controlplane(args: argparse.Namespace) -> None:
     from controlplane.server import ControlPlane, run_until_signal
-    await run_until_signal(ControlPlane(_controlplane_config(args, args.model, args.dataplane_address)))
+    await run_until_signal(ControlPlane(_controlplane_config(args, args.model,
+                                                             args.dataplane_address), spawn=_spawn))
+
+
+async def _frontend(args: argparse.Namespace) -> None:
+    from common.process import die_with_parent
+    from controlplane.frontend import FrontendConfig, run_frontend
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
+    await run_frontend(FrontendConfig(
+        engine_address=args.engine_address, host=args.host, port=args.port,
+        max_concurrent_rpcs=args.max_concurrent_rpcs, api_key_file=args.api_key_file,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca))
 
 
 def _dataplane(args: argparse.Namespace, argv: list[str]) -> None:
@@ -363,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "log_level"):
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command in ("serve", "controlplane", "dataplane"):
+    if args.command in ("serve", "controlplane", "dataplane", "frontend"):
         from common.process import tune_gc
         tune_gc()
     if args.command == "serve":
@@ -372,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_controlplane(args))
     elif args.command == "dataplane":
         _dataplane(args, argv[1:])
+    elif args.command == "frontend":
+        asyncio.run(_frontend(args))
     elif args.command == "generate":
         return _generate(args)
     elif args.command == "health":

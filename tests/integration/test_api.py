@@ -24,10 +24,13 @@ def model(checkpoints):
     return checkpoints["untied"]
 
 
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["1", "0"], ids=["frontend", "grpc-in-engine"])
+def server(model, tmp_path_factory, request):
+    """The API through a gRPC front-end process (the default), and served by the engine's
+    process itself (--frontends 0)."""
     s = harness.serve(model, tmp_path_factory.mktemp("api"), "--block-size", "4",
-                      "--num-kv-blocks", "512", "--max-num-seqs", "32")
+                      "--num-kv-blocks", "512", "--max-num-seqs", "32",
+                      "--frontends", request.param)
     yield s
     s.stop()
 

@@ -86,6 +86,35 @@ def dataplane_pid(server) -> int:
     return launcher
 
 
+def frontend_pid(server) -> int:
+    [pid] = [p for p in harness.descendants(server.processes[0].popen.pid)
+             if b"frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
+    return pid
+
+
+def test_a_killed_frontend_ends_its_streams_frees_their_blocks_and_is_restarted(model, tmp_path):
+    """The front-end holds the client connections: kill -9 cuts its streams (the clients see
+    UNAVAILABLE), the engine ends their requests once the front-end is silent, running and
+    queued alike (no KV block stays taken), and a new front-end serves on the same port."""
+    server = harness.serve(model, tmp_path, "--num-kv-blocks", "512", "--max-num-seqs", "2")
+    try:
+        prompts = [[i + 1, 2, 3] for i in range(20)]  # ten rounds of two long requests
+        flight = InFlight(server.client, prompts=prompts, max_tokens=None, min_chunks=0)
+        assert flight.started.wait(60)
+        killed = frontend_pid(server)
+        os.kill(killed, signal.SIGKILL)
+        assert [r[0] for r in flight.wait()] == ["UNAVAILABLE"] * len(prompts)
+        ended = server.processes[0].wait_for_log(r"front-end went silent; ending its (\d+) calls",
+                                                 timeout_s=15)
+        assert int(ended.group(1)) > 0
+        server.wait_serving()  # the restarted front-end
+        assert frontend_pid(server) != killed
+        assert server.wait_idle()
+        assert server.client.generate([1, 2, 3], max_tokens=4).completion_tokens == 4
+    finally:
+        server.stop()
+
+
 def test_kill_9_cycles_lose_nothing(model, expected, tmp_path):
     server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "512")
     figures = []
@@ -160,14 +189,14 @@ def test_sigstop_of_a_rank_is_detected_and_recovered(model, expected, tmp_path, 
     print(f"\nSIGSTOP rank {rank} of tp={tp}: detected after {lost - stopped_at:.2f}s ({reason})")
 
 
-def test_no_dataplane_process_outlives_a_killed_control_plane(model, tmp_path):
+def test_no_child_process_outlives_a_killed_control_plane(model, tmp_path):
     server = harness.serve(model, tmp_path, "--tp", "2", "--num-kv-blocks", "64")
     serve_pid = server.processes[0].popen.pid
-    ranks = harness.descendants(serve_pid)
-    assert len(ranks) == 2
+    children = harness.descendants(serve_pid)
+    assert len(children) == 3  # two data-plane ranks and the gRPC front-end
     server.processes[0].popen.send_signal(signal.SIGKILL)
     server.processes[0].popen.wait(10)
-    assert harness.wait_until(lambda: not any(harness.alive(p) for p in ranks), 5)
+    assert harness.wait_until(lambda: not any(harness.alive(p) for p in children), 5)
     server.stop()
 
 

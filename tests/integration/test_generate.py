@@ -70,8 +70,11 @@ def test_repeated_prompt_is_served_from_the_prefix_cache_with_logprobs(server, m
 def test_text_prompt_streams_the_decoded_text(server):
     chunks = list(server.client.generate_stream("The quick brown fox", max_tokens=10,
                                                 temperature=0, ignore_eos=True))
-    assert len(chunks) == 10 and chunks[-1].finish_reason
+    # Streamed: several messages (tokens that arrive while the last message is still being
+    # written share the next one, so how many depends on timing), the end on the last.
+    assert 1 < len(chunks) <= 10 and chunks[-1].finish_reason
     token_ids = [t for c in chunks for t in c.token_ids]
+    assert len(token_ids) == 10
     text = "".join(c.text for c in chunks)
     assert text == server.client.detokenize(token_ids)
     prompt = "The quick brown fox"

@@ -1,0 +1,181 @@
+"""The engine process's end of its gRPC front-ends (controlplane/frontend.py): a ZeroMQ ROUTER on
+a private ipc:// socket. Each forwarded call runs the GenerationServicer method it names, as a
+gRPC server would, with a context whose `abort` ends the call with that status; its responses go
+back serialized. Everything that one turn of the loop produced for a front-end leaves as one
+message (protos/frontend.proto), so a step's tokens for hundreds of streams cost the engine
+one send, and the gRPC writes, one per stream, run in the front-end's process on another core.
+"""
+
+import asyncio
+import logging
+import time
+
+import grpc
+import zmq
+import zmq.asyncio
+
+from controlplane.api_server import GenerationServicer
+from protos import frontend_pb2, generation_pb2
+
+log = logging.getLogger("splitserve.frontend")
+
+_STATE_EVERY_S = 1.0
+_FRONTEND_SILENT_S = 3.0  # front-ends say Hello every second; silent this long: gone
+SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _CallContext:
+    """The part of grpc.aio.ServicerContext the servicer uses, for a forwarded call."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Aborted(code, details)
+
+
+class FrontendLink:
+    """`serving()` is the readiness the front-ends report (pushed with `state_changed`)."""
+
+    def __init__(self, address: str, servicer: GenerationServicer, serving) -> None:
+        self.address = address
+        self.servicer = servicer
+        self.serving = serving
+        self.on_hello = lambda port: None  # a front-end serves gRPC on `port`
+        # method name -> (handler, request type, streams responses)
+        self._methods = {m.name: (getattr(servicer, m.name),
+                                  getattr(generation_pb2, m.input_type.name), m.server_streaming)
+                         for m in SERVICE.methods}
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._calls: dict[tuple[bytes, int], asyncio.Task] = {}
+        self._frontends: dict[bytes, float] = {}  # identity -> when last heard
+        self._out: dict[bytes, dict[int, frontend_pb2.Reply]] = {}
+        self._state_due = False
+        self._flush_scheduled = False
+
+    async def start(self) -> None:
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.address)
+        self._tasks = [asyncio.create_task(self._reader(), name="frontend-reader"),
+                       asyncio.create_task(self._ticker(), name="frontend-state")]
+
+    async def close(self) -> None:
+        self._flush_scheduled = True  # nothing is sent any more
+        for task in [*self._tasks, *self._calls.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._calls.values(), return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+
+    def state_changed(self) -> None:
+        self._state_due = True
+        self._schedule_flush()
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    async def _reader(self) -> None:
+        while True:
+            identity, payload = await self._sock.recv_multipart()
+            message = frontend_pb2.ToEngine.FromString(payload)
+            body = message.WhichOneof("body")
+            if identity in self._frontends:
+                self._frontends[identity] = time.monotonic()
+            if body == "call":
+                key = (identity, message.call.call_id)
+                self._calls[key] = asyncio.create_task(self._run(identity, message.call))
+            elif body == "cancel":
+                task = self._calls.get((identity, message.cancel.call_id))
+                if task is not None:
+                    task.cancel()
+            elif body == "hello" and identity not in self._frontends:
+                log.info("a gRPC front-end serves on port %d", message.hello.port)
+                self._frontends[identity] = time.monotonic()
+                self.state_changed()
+                self.on_hello(message.hello.port)
+
+    async def _run(self, identity: bytes, call: frontend_pb2.Call) -> None:
+        try:
+            handler, request_type, streams = self._methods[call.method]
+            request = request_type.FromString(call.request)
+            if streams:
+                async for response in handler(request, _CallContext()):
+                    self._reply(identity, call.call_id, response.SerializeToString())
+            else:
+                response = await handler(request, _CallContext())
+                self._reply(identity, call.call_id, response.SerializeToString())
+            self._reply(identity, call.call_id, done=(grpc.StatusCode.OK, ""))
+        except _Aborted as e:
+            self._reply(identity, call.call_id, done=(e.code, e.details))
+        except asyncio.CancelledError:
+            pass  # the client went away: nobody to answer
+        except Exception:
+            log.exception("call %s failed", call.method)
+            self._reply(identity, call.call_id, done=(grpc.StatusCode.INTERNAL,
+                                                      f"{call.method} failed in the server"))
+        finally:
+            self._calls.pop((identity, call.call_id), None)
+
+    # -- replies -------------------------------------------------------------------------------
+
+    def _reply(self, identity: bytes, call_id: int, message: bytes | None = None,
+               done: tuple[grpc.StatusCode, str] | None = None) -> None:
+        replies = self._out.setdefault(identity, {})
+        reply = replies.get(call_id)
+        if reply is None:
+            reply = replies[call_id] = frontend_pb2.Reply(call_id=call_id)
+        if message is not None:
+            reply.messages.append(message)
+        if done is not None:
+            reply.done, reply.status_code, reply.details = True, done[0].value[0], done[1]
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send what this turn of the loop produced: one message per front-end."""
+        self._flush_scheduled = False
+        out, self._out = self._out, {}
+        state = frontend_pb2.State(serving=self.serving()) if self._state_due else None
+        self._state_due = False
+        for identity in (self._frontends.keys() | out.keys()) if state is not None else out.keys():
+            message = frontend_pb2.ToFrontend(replies=out.get(identity, {}).values())
+            if state is not None:
+                message.state.CopyFrom(state)
+            # (sent at once when the socket can take it, as it can but for a front-end that
+            # stopped reading; not awaited: a turn of the loop never waits for a front-end)
+            sent = self._sock.send_multipart([identity, message.SerializeToString()])
+            sent.add_done_callback(_log_failure)
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(_STATE_EVERY_S)
+            self.state_changed()
+            self._forget_silent(time.monotonic() - _FRONTEND_SILENT_S)
+
+    def _forget_silent(self, heard_before: float) -> None:
+        """A front-end that died or hung: its calls end (their requests are aborted, their KV
+        blocks freed), as if each client had cancelled."""
+        for identity in [i for i, heard in self._frontends.items() if heard < heard_before]:
+            del self._frontends[identity]
+            calls = [(call_id, task) for (owner, call_id), task in self._calls.items()
+                     if owner == identity]
+            log.warning("a gRPC front-end went silent; ending its %d calls", len(calls))
+            for call_id, task in calls:
+                task.cancel()
+                # (should it come back, its clients hear why)
+                self._reply(identity, call_id, done=(grpc.StatusCode.UNAVAILABLE,
+                                                     "the server's gRPC front-end stalled"))
+
+
+def _log_failure(sent: asyncio.Future) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.warning("a reply to a front-end was not sent: %s", sent.exception())
