@@ -74,7 +74,10 @@ def _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_p
     return acc, m, l
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+# Not specialized on the request count or the block-table row stride (the longest request's
+# block count in a step): every value would otherwise be one of three variants, and a variant
+# first seen inside a served step compiles there (found on the H200: one such compile per run).
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt_req"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     num_reqs, scale_log2e,
