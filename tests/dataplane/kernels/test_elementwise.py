@@ -70,6 +70,18 @@ def test_silu_and_mul(dtype, num_tokens, width, device, gen):
     assert_close(out, silu_and_mul_ref(x), dtype)
 
 
+def qkv_views(dtype, num_tokens, num_heads, num_kv_heads, head_dim, device, gen, scale=1.0):
+    """A RoPE cache, positions, a fused QKV output and its q and k views (strided rows)."""
+    rope = RotaryEmbedding(head_dim, 4096, 1e6).to(device)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(device)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, device=device, gen=gen,
+                scale=scale)
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    return rope, positions, qkv, q, k
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 9, 256])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (32, 8, 128),
@@ -78,12 +90,9 @@ def test_rotary_in_place_on_views(dtype, num_tokens, num_heads, num_kv_heads, he
                                   gen):
     """q and k as views of one fused QKV output (strided rows), rotated in place."""
     skip_unsupported(dtype, device)
-    rope = RotaryEmbedding(head_dim, 4096, 1e6).to(device)
-    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(device)
+    rope, positions, qkv, q, k = qkv_views(dtype, num_tokens, num_heads, num_kv_heads, head_dim,
+                                           device, gen)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, device=device, gen=gen)
-    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
     v_before = qkv[:, q_size + kv_size:].clone()
     expected_q, expected_k = apply_rotary_ref(positions, q, k, rope.cos_sin_cache)
     out_q, out_k = apply_rotary(positions, q, k, rope.cos_sin_cache)
@@ -102,13 +111,9 @@ def test_qk_norm_rope_on_views(dtype, num_tokens, num_heads, num_kv_heads, head_
     """q and k as views of one fused QKV output: per-head RMSNorm then RoPE, into new tensors;
     the QKV output is left as it was."""
     skip_unsupported(dtype, device)
-    rope = RotaryEmbedding(head_dim, 4096, 1e6).to(device)
-    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(device)
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, device=device, gen=gen, scale=3.0)
+    rope, positions, qkv, q, k = qkv_views(dtype, num_tokens, num_heads, num_kv_heads, head_dim,
+                                           device, gen, scale=3.0)
     before = qkv.clone()
-    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
     q_weight = randn(head_dim, dtype=dtype, device=device, gen=gen)
     k_weight = randn(head_dim, dtype=dtype, device=device, gen=gen)
     args = (positions, q, k, q_weight, k_weight, EPS, rope.cos_sin_cache)
