@@ -65,6 +65,8 @@ class Frontend:
         self._set_health(serving=False, live=False)
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # no limit: over one, messages would be dropped
+        self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(self.config.engine_address)
         interceptors = []
         if self.config.api_key_file is not None:

@@ -61,6 +61,11 @@ class FrontendLink:
     async def start(self) -> None:
         self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # No high-water marks: at one (the default 1000) a ROUTER drops what a front-end that
+        # stalled for a second or two has not read yet, without an error. A front-end silent
+        # for _FRONTEND_SILENT_S is forgotten, which bounds the queue.
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.bind(self.address)
         self._tasks = [asyncio.create_task(self._reader(), name="frontend-reader"),
                        asyncio.create_task(self._ticker(), name="frontend-state")]
@@ -150,16 +155,19 @@ class FrontendLink:
             message = frontend_pb2.ToFrontend(replies=out.get(identity, {}).values())
             if state is not None:
                 message.state.CopyFrom(state)
-            # (sent at once when the socket can take it, as it can but for a front-end that
-            # stopped reading; not awaited: a turn of the loop never waits for a front-end)
+            # (sent at once: no high-water mark; not awaited: a turn of the loop never waits
+            # for a front-end)
             sent = self._sock.send_multipart([identity, message.SerializeToString()])
             sent.add_done_callback(_log_failure)
 
     async def _ticker(self) -> None:
+        woke = time.monotonic()
         while True:
             await asyncio.sleep(_STATE_EVERY_S)
+            late, woke = time.monotonic() - woke > 2 * _STATE_EVERY_S, time.monotonic()
             self.state_changed()
-            self._forget_silent(time.monotonic() - _FRONTEND_SILENT_S)
+            if not late:  # after a stall of this loop, Hellos may still wait unread
+                self._forget_silent(woke - _FRONTEND_SILENT_S)
 
     def _forget_silent(self, heard_before: float) -> None:
         """A front-end that died or hung: its calls end (their requests are aborted, their KV

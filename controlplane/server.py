@@ -89,14 +89,15 @@ class ControlPlaneConfig:
 class ControlPlane:
     """Everything the control plane runs, built from its config (see `start`).
     `on_dataplane_lost` is called when the link loses a data plane (serve restarts its child).
-    `spawn(argv)` starts a supervised `splitserve <argv>` child and returns its supervisor
-    (something with `async stop()`): the front-ends are started with it."""
+    `spawn(argv, name)` starts a supervised `splitserve <argv>` child and returns its supervisor
+    (something with `async stop()` and a `task` that ends when it gives up restarting): the
+    front-ends are started with it."""
 
     def __init__(self, config: ControlPlaneConfig, on_dataplane_lost=None, spawn=None) -> None:
         assert spawn is not None or config.num_frontends == 0, "front-ends need `spawn`"
         self.config = config
         self._spawn = spawn
-        self._frontends: list = []  # their supervisors
+        self.frontend_supervisors: list = []  # their supervisors
         self.frontend_link: FrontendLink | None = None
         self.model = ModelInfo.from_dir(config.model_dir)
         self.engine_config = config.engine_config(self.model)
@@ -162,7 +163,8 @@ class ControlPlane:
         self.frontend_link.on_hello = lambda _: started.set()
         await self.frontend_link.start()
         argv = self._frontend_argv(address, port)
-        self._frontends = [self._spawn(argv) for _ in range(self.config.num_frontends)]
+        self.frontend_supervisors = [self._spawn(argv, "gRPC front-end")
+                           for _ in range(self.config.num_frontends)]
         try:
             await asyncio.wait_for(started.wait(), FRONTEND_START_TIMEOUT_S)
         except TimeoutError:
@@ -172,8 +174,9 @@ class ControlPlane:
 
     def _frontend_argv(self, address: str, port: int) -> list[str]:
         c = self.config
+        per_frontend = -(-c.max_concurrent_rpcs // c.num_frontends)  # gRPC's own bound, shared
         argv = ["frontend", "--engine-address", address, "--host", c.host, "--port", str(port),
-                "--max-concurrent-rpcs", str(c.max_concurrent_rpcs),
+                "--max-concurrent-rpcs", str(per_frontend),
                 "--log-level", logging.getLevelName(logging.getLogger().level)]
         for flag, path in (("--api-key-file", c.api_key_file), ("--tls-cert", c.tls_cert),
                            ("--tls-key", c.tls_key), ("--tls-client-ca", c.tls_client_ca)):
@@ -213,9 +216,9 @@ class ControlPlane:
         if self.server is not None:
             log.info("stopping the gRPC server")
             await self.server.stop(grace_s)
-        if self._frontends:
+        if self.frontend_supervisors:
             log.info("stopping the gRPC front-ends")
-            await asyncio.gather(*(frontend.stop() for frontend in self._frontends))
+            await asyncio.gather(*(frontend.stop() for frontend in self.frontend_supervisors))
         if self.frontend_link is not None:
             await self.frontend_link.close()
         if self.engine_task is not None:
@@ -235,11 +238,17 @@ async def run_until_signal(control_plane: ControlPlane) -> None:
         loop.add_signal_handler(sig, stop.set)
     waiter = asyncio.create_task(stop.wait())
     engine_task = control_plane.engine_task
-    await asyncio.wait({waiter, engine_task}, return_when=asyncio.FIRST_COMPLETED)
+    # A front-end whose supervisor gave up restarting it: nobody can reach this server.
+    frontends = {frontend.task for frontend in control_plane.frontend_supervisors}
+    done, _ = await asyncio.wait({waiter, engine_task, *frontends},
+                                 return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     if engine_task.done():
         await control_plane.stop()
         raise RuntimeError("the engine loop stopped") from engine_task.exception()
+    if done & frontends:
+        await control_plane.stop()
+        raise RuntimeError("a gRPC front-end keeps exiting; stopping")
     _exit_if_stuck(control_plane.config.drain_timeout_s + 15)
     await control_plane.drain_and_stop()
 

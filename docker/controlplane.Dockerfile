@@ -24,6 +24,8 @@ ENV PATH=/opt/venv/bin:$PATH HOME=/tmp PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERE
 USER 10001:10001
 # 50051: gRPC (clients, probes). 5555: the ZeroMQ link data planes connect to (never publish it).
 EXPOSE 50051 5555
-# dumb-init is PID 1: it forwards SIGTERM to splitserve and reaps children.
+# dumb-init is PID 1: it forwards SIGTERM to splitserve's process group and reaps children
+# (the gRPC front-ends run in sessions of their own, so only splitserve gets it, drains, then
+# stops them).
 ENTRYPOINT ["dumb-init", "--"]
 CMD ["splitserve", "controlplane", "--help"]

@@ -56,8 +56,9 @@ def _add_api(p: argparse.ArgumentParser) -> None:
                         "while a message is being written go out together in any case")
     p.add_argument("--frontends", type=int, default=1, metavar="N",
                    help="gRPC front-end processes: they hold the client connections and write "
-                        "the stream messages, so that the engine's loop does not; 0 serves gRPC "
-                        "in the engine's process (default %(default)s)")
+                        "the stream messages, so that the engine's loop does not; they share "
+                        "the port and gRPC's own bound on concurrent RPCs; 0 serves gRPC in the "
+                        "engine's process (default %(default)s)")
     _add_grpc_security(p)
     p.add_argument("--reattach-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="after a data-plane loss, how long requests wait for one to (re)attach "
@@ -263,10 +264,11 @@ def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address:
         num_frontends=args.frontends)
 
 
-def _spawn(argv: list[str]):
-    """A supervised `splitserve <argv>` child (restarted when it dies); returns its supervisor."""
+def _spawn(argv: list[str], name: str):
+    """A supervised `splitserve <argv>` child (restarted when it dies); returns its supervisor,
+    its run loop as `task`."""
     from splitserve.supervisor import Supervisor
-    supervisor = Supervisor([sys.executable, "-m", "splitserve", *argv])
+    supervisor = Supervisor([sys.executable, "-m", "splitserve", *argv], name)
     supervisor.task = asyncio.create_task(supervisor.run())
     return supervisor
 

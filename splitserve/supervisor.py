@@ -1,5 +1,8 @@
-"""Keeps the locally spawned data plane running for `splitserve serve`: restarts it with
-exponential backoff, within a crash budget. The child dies with this process (--parent-pid)."""
+"""Keeps a locally spawned child running (the data plane of `splitserve serve`, the control
+plane's gRPC front-ends): restarts it with exponential backoff, within a crash budget. The child
+dies with this process (--parent-pid) and runs in a session of its own, so a signal to this
+process's group (Ctrl-C, `docker stop` through dumb-init) reaches only this process, which
+drains and then stops its children in order."""
 
 import asyncio
 import logging
@@ -11,9 +14,11 @@ log = logging.getLogger("splitserve.supervisor")
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], max_restarts: int = 10, window_s: float = 120.0,
-                 max_backoff_s: float = 10.0, healthy_after_s: float = 30.0) -> None:
+    def __init__(self, argv: list[str], name: str = "data plane", max_restarts: int = 10,
+                 window_s: float = 120.0, max_backoff_s: float = 10.0,
+                 healthy_after_s: float = 30.0) -> None:
         self.argv = argv
+        self.name = name
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.max_backoff_s = max_backoff_s
@@ -27,7 +32,7 @@ class Supervisor:
         while not self._stopping:
             started = time.monotonic()
             self.process = await asyncio.create_subprocess_exec(
-                *self.argv, "--parent-pid", str(os.getpid()))
+                *self.argv, "--parent-pid", str(os.getpid()), start_new_session=True)
             code = await self.process.wait()
             if self._stopping:
                 return
@@ -36,19 +41,19 @@ class Supervisor:
                 backoff = 0.5  # it ran a good while: a fresh crash, not a crash loop
             self._restarts = [t for t in self._restarts if now - t < self.window_s] + [now]
             if len(self._restarts) > self.max_restarts:
-                log.error("data plane exited (code %s) %d times in %.0fs; not restarting it again",
-                          code, len(self._restarts), self.window_s)
+                log.error("%s exited (code %s) %d times in %.0fs; not restarting it again",
+                          self.name, code, len(self._restarts), self.window_s)
                 return
-            log.warning("data plane exited with code %s; restarting in %.1fs", code, backoff)
+            log.warning("%s exited with code %s; restarting in %.1fs", self.name, code, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff_s)
 
     def restart(self) -> None:
-        """Kill the data plane (the run loop starts a new one): for one the control plane
+        """Kill the child (the run loop starts a new one): for a data plane the control plane
         declared lost but which may still run, frozen or hung."""
         process = self.process
         if process is not None and process.returncode is None and not self._stopping:
-            log.warning("killing data plane pid %d (declared lost)", process.pid)
+            log.warning("killing %s pid %d (declared lost)", self.name, process.pid)
             process.kill()
 
     async def stop(self, timeout_s: float = 5.0) -> None:

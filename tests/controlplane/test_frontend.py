@@ -1,7 +1,55 @@
-"""The front-end's merging of Generate responses that piled up for one stream."""
+"""The front-end link: replies to a front-end that is not reading queue without loss; the
+front-end's merging of Generate responses that piled up for one stream."""
 
+import asyncio
+import types
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from common.transport import private_ipc_address
 from controlplane.frontend import _merged
+from controlplane.frontend_link import SERVICE, FrontendLink
+from protos import frontend_pb2
 from protos import generation_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_messages_to_a_frontend_that_does_not_read_queue_without_loss():
+    """3000 messages while the front-end reads nothing, then all of them. The front-end's
+    socket here has ZeroMQ's default receive high-water mark (1000; controlplane/frontend.py
+    sets none): with the default send mark on the link's side too, a third would be dropped
+    without an error."""
+    async def main():
+        servicer = types.SimpleNamespace(**{m.name: None for m in SERVICE.methods})
+        link = FrontendLink(private_ipc_address("frontend"), servicer, serving=lambda: True)
+        hello = asyncio.Event()
+        link.on_hello = lambda port: hello.set()
+        await link.start()
+        frontend = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        frontend.setsockopt(zmq.RCVHWM, 1000)  # ZeroMQ's default (frontend.py sets none)
+        frontend.setsockopt(zmq.LINGER, 0)
+        frontend.connect(link.address)
+        await frontend.send(frontend_pb2.ToEngine(hello=frontend_pb2.Hello(port=1))
+                            .SerializeToString())
+        await asyncio.wait_for(hello.wait(), 10)
+        for _ in range(3000):
+            link.state_changed()
+            await asyncio.sleep(0)  # one message per turn of the loop
+        received = 0
+        while received < 3001:  # the answer to Hello and the 3000
+            try:
+                await asyncio.wait_for(frontend.recv(), 2)
+            except TimeoutError:
+                break
+            received += 1
+        frontend.close()
+        await link.close()
+        return received
+
+    assert asyncio.run(main()) == 3001
 
 
 def test_piled_up_responses_merge_into_one_in_order_with_the_last_ones_end():

@@ -115,6 +115,29 @@ def test_a_killed_frontend_ends_its_streams_frees_their_blocks_and_is_restarted(
         server.stop()
 
 
+def test_a_stalled_frontend_loses_no_token(model, tmp_path):
+    """SIGSTOP of the front-end for 1.5 s (its last Hello at most 1 s before: under the
+    engine's 3 s silence limit) while 128 streams run: the engine's replies wait for it, and
+    every stream ends complete. (tests/controlplane/test_frontend.py shows that no reply is
+    dropped however many queue.)"""
+    num_streams, max_tokens = 128, 500
+    server = harness.serve(model, tmp_path, "--num-kv-blocks", "4096", "--max-num-seqs",
+                           str(num_streams))
+    try:
+        prompts = [[i + 1, 2, 3] for i in range(num_streams)]
+        flight = InFlight(server.client, prompts=prompts, max_tokens=max_tokens, min_chunks=1)
+        assert flight.started.wait(60)
+        stalled = frontend_pid(server)
+        os.kill(stalled, signal.SIGSTOP)
+        time.sleep(1.5)
+        os.kill(stalled, signal.SIGCONT)
+        results = flight.wait()
+        assert [r[0] for r in results] == ["FINISH_REASON_LENGTH"] * num_streams
+        assert [len(r[1]) for r in results] == [max_tokens] * num_streams
+    finally:
+        server.stop()
+
+
 def test_kill_9_cycles_lose_nothing(model, expected, tmp_path):
     server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "512")
     figures = []
@@ -269,11 +292,17 @@ def stops_cleanly(server) -> None:
     assert exited and process.popen.returncode == 0, process.log()[-6000:]
 
 
-def test_sigterm_drains(model, tmp_path):
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_sigterm_drains(model, tmp_path, to):
+    """SIGTERM to the server, or to its whole process group (what dumb-init does in the
+    container, and a Ctrl-C's SIGINT alike): the live streams finish through the front-end."""
     server = harness.serve(model, tmp_path, "--num-kv-blocks", "512", "--drain-timeout", "30")
     flight = InFlight(server.client, max_tokens=300)
     assert flight.started.wait(60)
-    server.processes[0].popen.send_signal(signal.SIGTERM)
+    if to == "group":
+        os.killpg(server.processes[0].popen.pid, signal.SIGTERM)
+    else:
+        server.processes[0].popen.send_signal(signal.SIGTERM)
     assert harness.wait_until(lambda: not server.client.is_serving(), 2)
     with pytest.raises(grpc.RpcError) as error:
         server.client.generate([1, 2], max_tokens=2)
