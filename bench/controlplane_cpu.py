@@ -64,6 +64,8 @@ def main() -> None:
         server.terminate()
         server.wait(60)
     steps = after.num_steps - before.num_steps
+    lost = sum(c.completion_tokens - len(c.token_ids) for c in done)
+    assert lost == 0, f"{lost} tokens counted in usage never reached the client"
     result = {
         "num_requests": args.num_requests, "max_tokens": args.max_tokens,
         "stream_interval": args.stream_interval, "frontends": args.frontends, "num_steps": steps,

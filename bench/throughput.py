@@ -252,6 +252,8 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
         server.terminate()
         server.wait(60)
     steps = after.num_steps - before.num_steps
+    lost = sum(c.completion_tokens - len(c.token_ids) for c in done)
+    assert lost == 0, f"{lost} tokens counted in usage never reached the client"
     return {"seconds": seconds, "output_tokens": sum(c.completion_tokens for c in done),
             "num_steps": steps, "tp": info.tp_size,
             "stream_messages_per_token": sum(c.num_chunks for c in done)
