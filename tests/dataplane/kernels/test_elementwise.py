@@ -70,6 +70,10 @@ def test_silu_and_mul(dtype, num_tokens, width, device, gen):
     assert_close(out, silu_and_mul_ref(x), dtype)
 
 
+# (q heads, kv heads, head_dim): Qwen3-0.6B, Qwen3-8B, and small odd ones
+HEAD_SHAPES = [(16, 8, 128), (32, 8, 128), (4, 2, 16), (6, 3, 64)]
+
+
 def qkv_views(dtype, num_tokens, num_heads, num_kv_heads, head_dim, device, gen, scale=1.0):
     """A RoPE cache, positions, a fused QKV output and its q and k views (strided rows)."""
     rope = RotaryEmbedding(head_dim, 4096, 1e6).to(device)
@@ -84,8 +88,7 @@ def qkv_views(dtype, num_tokens, num_heads, num_kv_heads, head_dim, device, gen,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 9, 256])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (32, 8, 128),
-                                                             (4, 2, 16), (6, 3, 64)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEAD_SHAPES)
 def test_rotary_in_place_on_views(dtype, num_tokens, num_heads, num_kv_heads, head_dim, device,
                                   gen):
     """q and k as views of one fused QKV output (strided rows), rotated in place."""
@@ -104,8 +107,7 @@ def test_rotary_in_place_on_views(dtype, num_tokens, num_heads, num_kv_heads, he
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 9, 256])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (32, 8, 128),
-                                                             (4, 2, 16), (6, 3, 64)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEAD_SHAPES)
 def test_qk_norm_rope_on_views(dtype, num_tokens, num_heads, num_kv_heads, head_dim, device,
                                gen):
     """q and k as views of one fused QKV output: per-head RMSNorm then RoPE, into new tensors;
