@@ -1,0 +1,215 @@
+"""The `splitserve` command.
+
+  serve         the control plane plus locally spawned data-plane ranks, one command
+  controlplane  the control plane alone (gRPC API; binds the ZeroMQ port data planes connect to)
+  dataplane     the data plane alone (connects to a control plane)
+  frontend      (internal) a gRPC front-end process; serve and controlplane start theirs
+  generate      stream a completion from a running server
+  health        exit 0 only when a server is SERVING
+  demo-model    write the default tiny random-weight model to a directory (for containers)
+  link-keys     write CURVE key pairs that authenticate the link between the planes
+
+Each subcommand imports only what it runs: `controlplane`, `frontend`, `generate` and `health`
+never load torch.
+"""
+# (This module builds the argument parser; splitserve/cli.py runs the commands.)
+
+import argparse
+import pathlib
+
+DEFAULT_PORT = 50051
+
+
+def _add_model(p: argparse.ArgumentParser, required: bool) -> None:
+    help_text = "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+    if not required:
+        help_text += ("; default: a small Qwen3 with seeded random weights (gibberish output), "
+                      "written once to ~/.cache/splitserve (or $SPLITSERVE_CACHE)")
+    p.add_argument("--model", type=pathlib.Path, required=required, help=help_text)
+
+
+def _add_api(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="gRPC listen address (default %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="gRPC port; 0 picks a free one (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most requests in one step (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="token budget of one step; longer prompts are prefilled in chunks "
+                        "(default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max_position_embeddings)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="queue bound; beyond it Generate fails fast with RESOURCE_EXHAUSTED "
+                        "(default %(default)s)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest top-N a request may ask for (default %(default)s)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
+                   help="a stream message waits for this many tokens (the last one may have "
+                        "fewer): larger values send fewer messages, for less control-plane CPU "
+                        "per token with many streams (default %(default)s). Tokens that pile up "
+                        "while a message is being written go out together in any case")
+    p.add_argument("--frontends", type=int, default=1, metavar="N",
+                   help="gRPC front-end processes: they hold the client connections and write "
+                        "the stream messages, so that the engine's loop does not; they share "
+                        "the port and gRPC's own bound on concurrent RPCs; 0 serves gRPC in the "
+                        "engine's process (default %(default)s)")
+    _add_grpc_security(p)
+    p.add_argument("--reattach-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="after a data-plane loss, how long requests wait for one to (re)attach "
+                        "before they end UNAVAILABLE (default %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long live requests may still run (default %(default)s)")
+    p.add_argument("--step-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="cap on a step's deadline; within it the deadline follows observed "
+                        "step times (default %(default)s)")
+
+
+def _add_grpc_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key-file", type=pathlib.Path, default=None,
+                   help="require 'authorization: Bearer <key>' on every RPC but health; one key "
+                        "per line")
+    p.add_argument("--tls-cert", type=pathlib.Path, default=None, help="serve TLS: certificate (PEM)")
+    p.add_argument("--tls-key", type=pathlib.Path, default=None, help="serve TLS: private key (PEM)")
+    p.add_argument("--tls-client-ca", type=pathlib.Path, default=None,
+                   help="mutual TLS: clients must present a certificate signed by this CA")
+
+
+def _add_dataplane(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default %(default)s)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default %(default)s)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="auto: the checkpoint's dtype (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="cap on the number of KV blocks (small-memory runs, tests)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="KV cache budget per rank on CPU, GiB (default %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of each GPU's memory the data plane may hold; the KV cache gets "
+                        "what weights and a profiled worst-case step leave (default %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps")
+    p.add_argument("--load-format", choices=("safetensors", "dummy"), default="safetensors",
+                   help="dummy: random weights instead of the checkpoint's (benchmarks; the "
+                        "model directory then needs only config.json and tokenizer.json)")
+    p.add_argument("--attention-backend", choices=("auto", "torch", "triton", "flash_attn"),
+                   default="auto", help="auto: torch on CPU, triton on CUDA (default %(default)s)")
+
+
+def _add_client(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}", help="(default %(default)s)")
+    p.add_argument("--api-key-file", type=pathlib.Path, default=None,
+                   help="send the first key of this file as a bearer token")
+    p.add_argument("--tls", action="store_true", help="connect with TLS")
+    p.add_argument("--tls-ca", type=pathlib.Path, default=None,
+                   help="CA certificate to verify the server with (implies --tls)")
+    p.add_argument("--tls-cert", type=pathlib.Path, default=None,
+                   help="client certificate for mutual TLS (implies --tls)")
+    p.add_argument("--tls-key", type=pathlib.Path, default=None, help="client key for mutual TLS")
+
+
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="INFO", help="(default %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="control plane + local data plane, one command")
+    _add_model(serve, required=False)
+    _add_api(serve)
+    _add_dataplane(serve)
+    _add_logging(serve)
+
+    cp = sub.add_parser("controlplane", help="the control plane alone")
+    _add_model(cp, required=True)
+    cp.add_argument("--dataplane-address", required=True,
+                    help="ZeroMQ endpoint to bind for data planes, e.g. tcp://0.0.0.0:5555")
+    cp.add_argument("--link-secret-key", type=pathlib.Path, default=None,
+                    help="CURVE: this control plane's secret key file (splitserve link-keys)")
+    cp.add_argument("--link-authorized-keys", type=pathlib.Path, default=None,
+                    help="CURVE: directory of data-plane public keys allowed to connect")
+    _add_api(cp)
+    _add_logging(cp)
+
+    dp = sub.add_parser("dataplane", help="the data plane alone")
+    _add_model(dp, required=True)
+    dp.add_argument("--controlplane-address", required=True,
+                    help="the control plane's ZeroMQ endpoint, e.g. tcp://controlplane:5555")
+    _add_dataplane(dp)
+    dp.add_argument("--rank", type=int, default=None,
+                    help="this process's TP rank, for one rank per host or pod (default: start "
+                         "rank 0 here and spawn ranks 1..tp-1 locally)")
+    dp.add_argument("--dist-init-method", default=None,
+                    help="tcp://host:port where rank 0 gathers the ranks (with --rank)")
+    dp.add_argument("--liveness-file", type=pathlib.Path, default=None,
+                    help="touched while the process loop turns, for `splitserve health --file`")
+    dp.add_argument("--link-secret-key", type=pathlib.Path, default=None,
+                    help="CURVE: this data plane's secret key file (splitserve link-keys)")
+    dp.add_argument("--link-server-key", type=pathlib.Path, default=None,
+                    help="CURVE: the control plane's public key file")
+    dp.add_argument("--controlplane-grace", type=float, default=30.0, metavar="SECONDS",
+                    help="exit when no control plane was heard for this long after one was "
+                         "(default %(default)s)")
+    dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    _add_logging(dp)
+
+    fe = sub.add_parser("frontend", help="(internal) a gRPC front-end of a control plane")
+    fe.add_argument("--engine-address", required=True, help="the engine process's ipc:// socket")
+    fe.add_argument("--host", default="127.0.0.1")
+    fe.add_argument("--port", type=int, required=True)
+    fe.add_argument("--max-concurrent-rpcs", type=int, default=None)
+    _add_grpc_security(fe)
+    fe.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    _add_logging(fe)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running server",
+                         description="Stream a completion to stdout; usage goes to stderr. "
+                                     "Unset sampling flags take the server's defaults.")
+    gen.add_argument("prompt")
+    _add_client(gen)
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1)")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--presence-penalty", type=float, default=None)
+    gen.add_argument("--frequency-penalty", type=float, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append",
+                     default=None, help="stop token id (repeatable)")
+    gen.add_argument("--min-tokens", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--request-id", default="")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                     help="wait up to this long for the server to be SERVING first")
+
+    keys = sub.add_parser("link-keys", help="write CURVE key pairs for the link to DIR")
+    keys.add_argument("dir", type=pathlib.Path)
+
+    demo = sub.add_parser("demo-model", help="write the default tiny model (seeded random "
+                          "weights) to DIR unless it is there; prints DIR")
+    demo.add_argument("dir", type=pathlib.Path, nargs="?", default=None,
+                      help="(default: the cache, ~/.cache/splitserve or $SPLITSERVE_CACHE)")
+
+    health = sub.add_parser(
+        "health", help="exit 0 when the server is SERVING (or a liveness file is fresh)",
+        description="Probe for healthchecks. Over gRPC: exit 0 when the service is SERVING; the "
+                    "default service \"\" is SERVING only while a data plane is attached (a "
+                    "readiness check); \"liveness\" is SERVING while the control plane's loop "
+                    "runs. With --file: exit 0 when the data plane touched the file within "
+                    "--max-age seconds.")
+    _add_client(health)
+    health.add_argument("--service", default="", help="health service name (default: \"\")")
+    health.add_argument("--timeout", type=float, default=5.0)
+    health.add_argument("--file", type=pathlib.Path, default=None,
+                        help="a data plane's --liveness-file instead of a gRPC check")
+    health.add_argument("--max-age", type=float, default=30.0, help="seconds (with --file)")
+    return parser
