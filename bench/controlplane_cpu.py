@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.transport import free_tcp_port  # noqa: E402
 from splitserve.client import AsyncClient, Client  # noqa: E402
+from served import figures  # noqa: E402
 
 
 def main() -> None:
@@ -63,19 +64,10 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(60)
-    steps = after.num_steps - before.num_steps
-    lost = sum(c.completion_tokens - len(c.token_ids) for c in done)
-    assert lost == 0, f"{lost} tokens counted in usage never reached the client"
     result = {
         "num_requests": args.num_requests, "max_tokens": args.max_tokens,
-        "stream_interval": args.stream_interval, "frontends": args.frontends, "num_steps": steps,
-        "output_tokens": sum(c.completion_tokens for c in done), "seconds": seconds,
-        "control_plane_cpu_ms_per_step":
-            1e3 * (after.control_plane_cpu_seconds - before.control_plane_cpu_seconds) / steps,
-        "frontend_cpu_ms_per_step":
-            1e3 * (after.frontend_cpu_seconds - before.frontend_cpu_seconds) / steps,
-        "stream_messages_per_token":
-            sum(c.num_chunks for c in done) / sum(c.completion_tokens for c in done)}
+        "stream_interval": args.stream_interval, "frontends": args.frontends,
+        "seconds": seconds, **figures(before, after, done)}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from common.transport import free_tcp_port  # noqa: E402
 from dataplane import checkpoints  # noqa: E402
 from dataplane.models import model_class  # noqa: E402
+from served import figures  # noqa: E402
 
 
 def shapes(name: str):
@@ -251,19 +252,7 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
     finally:
         server.terminate()
         server.wait(60)
-    steps = after.num_steps - before.num_steps
-    lost = sum(c.completion_tokens - len(c.token_ids) for c in done)
-    assert lost == 0, f"{lost} tokens counted in usage never reached the client"
-    return {"seconds": seconds, "output_tokens": sum(c.completion_tokens for c in done),
-            "num_steps": steps, "tp": info.tp_size,
-            "stream_messages_per_token": sum(c.num_chunks for c in done)
-            / sum(c.completion_tokens for c in done),
-            "bytes_per_step_sent": (after.link_bytes_sent - before.link_bytes_sent) / steps,
-            "bytes_per_step_received": (after.link_bytes_received - before.link_bytes_received) / steps,
-            "control_plane_cpu_ms_per_step":
-                1e3 * (after.control_plane_cpu_seconds - before.control_plane_cpu_seconds) / steps,
-            "frontend_cpu_ms_per_step":
-                1e3 * (after.frontend_cpu_seconds - before.frontend_cpu_seconds) / steps,
+    return {"seconds": seconds, **figures(before, after, done), "tp": info.tp_size,
             "num_kv_blocks": after.kv_blocks_total}
 
 

@@ -1,5 +1,4 @@
-"""Bearer-token authentication for every RPC except health, as a server interceptor; the TLS
-credentials of a gRPC server."""
+"""Bearer-token authentication for every RPC except health, as a server interceptor."""
 
 import hmac
 import pathlib
@@ -16,17 +15,6 @@ def read_api_keys(path: pathlib.Path) -> tuple[bytes, ...]:
     if not keys:
         raise ValueError(f"{path} holds no API key")
     return keys
-
-
-def server_credentials(cert: pathlib.Path | None, key: pathlib.Path | None,
-                       client_ca: pathlib.Path | None) -> grpc.ServerCredentials | None:
-    """TLS with this certificate and key (None without a certificate); with `client_ca`,
-    clients must present a certificate it signed."""
-    if cert is None:
-        return None
-    ca = client_ca.read_bytes() if client_ca else None
-    return grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())],
-                                       root_certificates=ca, require_client_auth=ca is not None)
 
 
 def _is_valid(token: bytes, keys: tuple[bytes, ...]) -> bool:

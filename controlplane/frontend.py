@@ -24,16 +24,13 @@ from dataclasses import dataclass
 import grpc
 import zmq
 import zmq.asyncio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
-from controlplane.auth import ApiKeyInterceptor, read_api_keys, server_credentials
+from controlplane.grpc_server import SERVICE, set_health, start_server
 from protos import frontend_pb2, generation_pb2
 
 log = logging.getLogger("splitserve.frontend")
 
-SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
-LIVENESS_SERVICE = "liveness"
 _ENGINE_SILENT_S = 5.0  # the engine reports every second; silent this long: not live
 
 
@@ -62,30 +59,21 @@ class Frontend:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> int:
-        self._set_health(serving=False, live=False)
+        set_health(self.health, serving=False, live=False)
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # no limit: over one, messages would be dropped
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(self.config.engine_address)
-        interceptors = []
-        if self.config.api_key_file is not None:
-            interceptors.append(ApiKeyInterceptor(read_api_keys(self.config.api_key_file)))
-        self.server = grpc.aio.server(interceptors=interceptors,
-                                      maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
-        self.server.add_generic_rpc_handlers((self._generation_handler(),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        address = f"{self.config.host}:{self.config.port}"
         c = self.config
-        credentials = server_credentials(c.tls_cert, c.tls_key, c.tls_client_ca)
-        self.port = self.server.add_secure_port(address, credentials) if credentials else \
-            self.server.add_insecure_port(address)
-        await self.server.start()
+        self.server, self.port = await start_server(
+            lambda server: server.add_generic_rpc_handlers((self._generation_handler(),)),
+            self.health, host=c.host, port=c.port, max_concurrent_rpcs=c.max_concurrent_rpcs,
+            api_key_file=c.api_key_file, tls_cert=c.tls_cert, tls_key=c.tls_key,
+            tls_client_ca=c.tls_client_ca)
         self._tasks = [asyncio.create_task(self._reader(), name="engine-reader"),
                        asyncio.create_task(self._keep_in_touch(), name="engine-watch")]
-        log.info("front-end serving gRPC on %s:%d", self.config.host, self.port)
+        log.info("front-end serving gRPC on %s:%d", c.host, self.port)
         return self.port
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -168,7 +156,7 @@ class Frontend:
                     replies.put_nowait(reply)
             if message.HasField("state"):
                 self._last_heard = time.monotonic()
-                self._set_health(serving=message.state.serving, live=True)
+                set_health(self.health, serving=message.state.serving, live=True)
 
     async def _keep_in_touch(self) -> None:
         """Hello every second (the engine's sign of this front-end's life); not live while the
@@ -178,15 +166,7 @@ class Frontend:
             await self._send(hello)
             await asyncio.sleep(1.0)
             if time.monotonic() - self._last_heard > _ENGINE_SILENT_S:
-                self._set_health(serving=False, live=False)
-
-    def _set_health(self, serving: bool, live: bool) -> None:
-        status = lambda ok: health_pb2.HealthCheckResponse.SERVING if ok else \
-            health_pb2.HealthCheckResponse.NOT_SERVING  # noqa: E731
-        for service in ("", SERVICE.full_name):
-            self.health.set(service, status(serving))
-        self.health.set(LIVENESS_SERVICE, status(live))
-
+                set_health(self.health, serving=False, live=False)
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 

@@ -15,13 +15,13 @@ import zmq
 import zmq.asyncio
 
 from controlplane.api_server import GenerationServicer
+from controlplane.grpc_server import SERVICE
 from protos import frontend_pb2, generation_pb2
 
 log = logging.getLogger("splitserve.frontend")
 
 _STATE_EVERY_S = 1.0
 _FRONTEND_SILENT_S = 3.0  # front-ends say Hello every second; silent this long: gone
-SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 
 
 class _Aborted(Exception):
@@ -43,7 +43,6 @@ class FrontendLink:
 
     def __init__(self, address: str, servicer: GenerationServicer, serving) -> None:
         self.address = address
-        self.servicer = servicer
         self.serving = serving
         self.on_hello = lambda port: None  # a front-end serves gRPC on `port`
         # method name -> (handler, request type, streams responses)

@@ -13,26 +13,21 @@ import threading
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from common.model_info import ModelInfo
 from common.transport import LinkConfig, free_tcp_port, private_ipc_address
 from controlplane.api_server import GenerationServicer
-from controlplane.auth import ApiKeyInterceptor, read_api_keys, server_credentials
 from controlplane.dataplane_link import DataPlaneLink
 from controlplane.engine import Engine, EngineConfig
 from controlplane.frontend_link import FrontendLink
+from controlplane.grpc_server import set_health, start_server
 from controlplane.scheduler import SchedulerConfig
 from controlplane.tokenizer import Tokenizer
-from protos import generation_pb2, generation_pb2_grpc, link_pb2
+from protos import generation_pb2_grpc, link_pb2
 
 log = logging.getLogger("splitserve.controlplane")
 
-SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-# SERVING whenever the server answers at all: for liveness probes, which must not fail just
-# because no data plane is attached (that is readiness, the "" service).
-LIVENESS_SERVICE = "liveness"
 FRONTEND_START_TIMEOUT_S = 60.0
 
 
@@ -97,7 +92,7 @@ class ControlPlane:
         assert spawn is not None or config.num_frontends == 0, "front-ends need `spawn`"
         self.config = config
         self._spawn = spawn
-        self.frontend_supervisors: list = []  # their supervisors
+        self.frontend_supervisors: list = []
         self.frontend_link: FrontendLink | None = None
         self.model = ModelInfo.from_dir(config.model_dir)
         self.engine_config = config.engine_config(self.model)
@@ -124,13 +119,11 @@ class ControlPlane:
             self._on_dataplane_lost()
 
     def _refresh_health(self) -> None:
-        serving = self.is_serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else \
-            health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", SERVICE_NAME):
-            self.health.set(service, status)
+        """What health reports: in this process's gRPC server, or through the front-ends."""
         if self.frontend_link is not None:
             self.frontend_link.state_changed()
+        else:
+            set_health(self.health, serving=self.is_serving, live=True)
 
     @property
     def is_serving(self) -> bool:
@@ -140,7 +133,6 @@ class ControlPlane:
         """Bind the link, start the engine and serve gRPC (through the front-ends, once one
         reported it serves); returns the gRPC port."""
         self._refresh_health()
-        self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.link.start()
         servicer = GenerationServicer(self.engine, self.model,
                                       self.engine_config.scheduler.max_model_len,
@@ -164,7 +156,7 @@ class ControlPlane:
         await self.frontend_link.start()
         argv = self._frontend_argv(address, port)
         self.frontend_supervisors = [self._spawn(argv, "gRPC front-end")
-                           for _ in range(self.config.num_frontends)]
+                                     for _ in range(self.config.num_frontends)]
         try:
             await asyncio.wait_for(started.wait(), FRONTEND_START_TIMEOUT_S)
         except TimeoutError:
@@ -185,21 +177,12 @@ class ControlPlane:
         return argv
 
     async def _start_grpc(self, servicer: GenerationServicer) -> int:
-        interceptors = []
-        if self.config.api_key_file is not None:
-            interceptors.append(ApiKeyInterceptor(read_api_keys(self.config.api_key_file)))
-        self.server = grpc.aio.server(interceptors=interceptors,
-                                      maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
-        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        address = f"{self.config.host}:{self.config.port}"
         c = self.config
-        credentials = server_credentials(c.tls_cert, c.tls_key, c.tls_client_ca)
-        port = self.server.add_secure_port(address, credentials) if credentials else \
-            self.server.add_insecure_port(address)
-        await self.server.start()
+        self.server, port = await start_server(
+            lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
+            self.health, host=c.host, port=c.port, max_concurrent_rpcs=c.max_concurrent_rpcs,
+            api_key_file=c.api_key_file, tls_cert=c.tls_cert, tls_key=c.tls_key,
+            tls_client_ca=c.tls_client_ca)
         return port
 
     async def drain_and_stop(self) -> None:
