@@ -30,8 +30,8 @@ from dataplane.kernels.paged_decode_attention import (paged_decode_attention,
                                                       paged_decode_attention_ref, pick_num_splits)
 from dataplane.kernels.paged_prefill_attention import (paged_prefill_attention,
                                                        paged_prefill_attention_ref)
-from dataplane.kernels.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_ref
-from dataplane.kernels.rotary import apply_rotary, apply_rotary_ref
+from dataplane.kernels.rmsnorm import fused_add_rms_norm, rms_norm_ref
+from dataplane.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from dataplane.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from dataplane.kernels.store_kv import store_kv, store_kv_ref
 
@@ -191,12 +191,10 @@ def elementwise_cases(model: str, num_tokens: int) -> list[tuple[str, Callable, 
     return [
         ("add_rms_norm", lambda: fused_add_rms_norm(x, res, w, 1e-6),
          lambda: rms_norm_ref(x, w, 1e-6, res), 4 * x.numel() * e),
-        ("q_norm", lambda: rms_norm(q, head_w, 1e-6), lambda: rms_norm_ref(q, head_w, 1e-6),
-         2 * q.numel() * e),
         ("silu_and_mul", lambda: silu_and_mul(gate_up), lambda: silu_and_mul_ref(gate_up),
          3 * num_tokens * inter * e),
-        ("rotary", lambda: apply_rotary(positions, q, k, cos_sin),
-         lambda: apply_rotary_ref(positions, q, k, cos_sin), qk_bytes),
+        ("qk_norm_rope", lambda: qk_norm_rope(positions, q, k, head_w, head_w, 1e-6, cos_sin),
+         lambda: qk_norm_rope_ref(positions, q, k, head_w, head_w, 1e-6, cos_sin), qk_bytes),
         ("store_kv", lambda: store_kv(k, k, cache[0], cache[1], slots),
          lambda: store_kv_ref(k, k, cache[0], cache[1], slots), 4 * k.numel() * e),
     ]

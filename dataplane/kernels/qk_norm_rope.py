@@ -89,6 +89,6 @@ def qk_norm_rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch code of the model on CPU: RMSNorm of each head, then RoPE."""
     from dataplane.kernels.rmsnorm import rms_norm_ref
-    from dataplane.kernels.rotary import apply_rotary_ref
-    return apply_rotary_ref(positions, rms_norm_ref(q, q_weight, eps),
-                            rms_norm_ref(k, k_weight, eps), cos_sin_cache)
+    from dataplane.layers.rotary import apply_rope
+    return apply_rope(positions, rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps),
+                      cos_sin_cache)

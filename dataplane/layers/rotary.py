@@ -5,8 +5,9 @@ from torch import nn
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate-half), with a cos/sin cache computed in float32 as transformers does.
 
-    On CUDA tensors one Triton kernel rotates q and k in place (the q/k norms hand over fresh
-    tensors) and returns them; elsewhere new tensors come back from the torch code below.
+    On CUDA, Qwen3 applies it together with its q/k norms in one Triton kernel
+    (dataplane/kernels/qk_norm_rope.py), which reads `cos_sin_cache`; `forward` is the torch
+    code, which returns new tensors.
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
@@ -18,11 +19,14 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.is_cuda:
-            from dataplane.kernels.rotary import apply_rotary
-            return apply_rotary(positions, q, k, self.cos_sin_cache)
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_dim/2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return apply_rope(positions, q, k, self.cos_sin_cache)
+
+
+def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; math in float32, rounded once."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_dim/2]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
