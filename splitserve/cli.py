@@ -60,12 +60,10 @@ def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address:
 
 
 def _spawn(argv: list[str], name: str):
-    """A supervised `splitserve <argv>` child (restarted when it dies); returns its supervisor,
-    its run loop as `task`."""
+    """A supervised `splitserve <argv>` child, restarted when it dies (splitserve.supervisor);
+    returns its supervisor."""
     from splitserve.supervisor import Supervisor
-    supervisor = Supervisor([sys.executable, "-m", "splitserve", *argv], name)
-    supervisor.task = asyncio.create_task(supervisor.run())
-    return supervisor
+    return Supervisor([sys.executable, "-m", "splitserve", *argv], name).start()
 
 
 def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str) -> list[str]:
@@ -85,22 +83,18 @@ async def _serve(args: argparse.Namespace) -> None:
     from common.transport import private_ipc_address
     from controlplane.server import ControlPlane, run_until_signal
     from splitserve.default_model import ensure_default_model
-    from splitserve.supervisor import Supervisor
 
     model = args.model or ensure_default_model()
     address = private_ipc_address()
-    supervisor = Supervisor([sys.executable, "-m", "splitserve", "dataplane",
-                             *_dataplane_argv(args, model, address)])
+    supervisor = _spawn(["dataplane", *_dataplane_argv(args, model, address)], "data plane")
     # A data plane the control plane gave up on (hung, frozen) is killed and started again.
     control_plane = ControlPlane(_controlplane_config(args, model, address),
                                  on_dataplane_lost=supervisor.restart, spawn=_spawn)
-    supervised = asyncio.create_task(supervisor.run())
     try:
         await run_until_signal(control_plane)
     finally:
         logging.getLogger("splitserve.supervisor").info("stopping the data plane")
         await supervisor.stop()
-        supervised.cancel()
 
 
 async def _controlplane(args: argparse.Namespace) -> None:

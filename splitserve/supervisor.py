@@ -14,7 +14,7 @@ log = logging.getLogger("splitserve.supervisor")
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], name: str = "data plane", max_restarts: int = 10,
+    def __init__(self, argv: list[str], name: str, max_restarts: int = 10,
                  window_s: float = 120.0, max_backoff_s: float = 10.0,
                  healthy_after_s: float = 30.0) -> None:
         self.argv = argv
@@ -24,8 +24,13 @@ class Supervisor:
         self.max_backoff_s = max_backoff_s
         self.healthy_after_s = healthy_after_s
         self.process: asyncio.subprocess.Process | None = None
+        self.task: asyncio.Task | None = None  # the run loop; ends when it gives up
         self._stopping = False
         self._restarts: list[float] = []
+
+    def start(self) -> "Supervisor":
+        self.task = asyncio.create_task(self.run(), name=f"supervise {self.name}")
+        return self
 
     async def run(self) -> None:
         backoff = 0.5
@@ -57,13 +62,15 @@ class Supervisor:
             process.kill()
 
     async def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM the child (SIGKILL after `timeout_s`) and end the run loop."""
         self._stopping = True
         process = self.process
-        if process is None or process.returncode is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), timeout_s)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        if process is not None and process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), timeout_s)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        if self.task is not None:
+            self.task.cancel()
