@@ -36,7 +36,10 @@ def rogue_gets_nothing(address: str, model, curve: tuple[bytes, bytes, bytes] | 
     try:
         deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
-            sock.send_multipart(rogue_hello(model), flags=zmq.NOBLOCK) if sock.poll(0, zmq.POLLOUT) else None
+            try:
+                sock.send_multipart(rogue_hello(model), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no pipe now: ZeroMQ dropped it when the handshake failed, and will retry
             if sock.poll(200):
                 return False
         return True
