@@ -12,7 +12,6 @@ import asyncio
 import json
 import pathlib
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,9 +19,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.transport import free_tcp_port  # noqa: E402
 from splitserve.client import AsyncClient, Client  # noqa: E402
-from served import figures  # noqa: E402
+from served import figures, serve  # noqa: E402
 
 
 def main() -> None:
@@ -34,36 +32,25 @@ def main() -> None:
     parser.add_argument("--frontends", type=int, default=1, help="serve's --frontends")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
-    port = free_tcp_port()
-    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-    server = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--port", str(port),
-                               "--max-num-seqs", str(args.num_requests),
-                               "--max-waiting-requests", "4096",
-                               "--stream-interval", str(args.stream_interval),
-                               "--frontends", str(args.frontends)],
-                              cwd=ROOT, stdout=log, stderr=log)
-    address = f"127.0.0.1:{port}"
     rng = random.Random(0)
     prompts = [[rng.randint(1, 500) for _ in range(rng.randint(8, 32))]
                for _ in range(args.num_requests)]
+    log = pathlib.Path(tempfile.mkdtemp()) / "serve.log"
 
-    async def send_all():
+    async def send_all(address):
         async with AsyncClient(address) as client:
             return await asyncio.gather(*(client.generate(p, max_tokens=args.max_tokens,
                                                           temperature=0.6, ignore_eos=True)
                                           for p in prompts))
-    try:
+    with serve(["--max-num-seqs", str(args.num_requests), "--max-waiting-requests", "4096",
+                "--stream-interval", str(args.stream_interval),
+                "--frontends", str(args.frontends)], log, timeout=120) as address:
         with Client(address) as client:
-            if not client.wait_until_serving(120):
-                raise SystemExit(f"server not serving; see {log.name}")
             before = client.load()
             start = time.perf_counter()
-            done = asyncio.run(send_all())
+            done = asyncio.run(send_all(address))
             seconds = time.perf_counter() - start
             after = client.load()
-    finally:
-        server.terminate()
-        server.wait(60)
     result = {
         "num_requests": args.num_requests, "max_tokens": args.max_tokens,
         "stream_interval": args.stream_interval, "frontends": args.frontends,

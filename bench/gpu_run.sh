@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # One batched call on a lent GPU machine (see ../shared/gpu/README.md): carried wheels and the
 # FlashAttention-4 bundle installed, then the stages named on the command line, each logging to
-# $OUT. Stages: tests (GPU-marked tests), runner (the runner, serve, TP=2, sampler and
-# elementwise-kernel tests),
-# kernels (kernel micro-benchmarks), moe (fused MoE tuning), profile (where a decode step's time
-# goes), bench-0.6b, bench-8b, bench-30b (workload A, both modes), bench-0.6b-si4 (split with
-# --stream-interval 4), bench-0.6b-fe0 (split, gRPC in the engine's process), bench-0.6b-tp2. Timings seen on the H200s: runner ~175 s (207 tests in 171 s on the two-GPU machine), bench-0.6b
-# ~50 s, bench-8b ~70 s (both modes each); a machine takes ~40 s to start. Set
-# SPLITSERVE_COMMIT to the hash, written out in the command (the device machine's copy of the
-# tree may carry a stale .git: `git rev-parse` there once reported an older commit than the tree
-# it ran):
+# $OUT. Stages:
+#   tests          the GPU-marked tests
+#   runner         the runner, serve, TP=2, sampler and elementwise-kernel tests (~175 s)
+#   kernels        kernel micro-benchmarks          moe   fused MoE tuning
+#   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k
+#   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise
+#   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
+#                  bench-0.6b-tp2: split at TP=2 (the two-GPU machine)
+#   serving-0.6b   bench/serving.py: Poisson arrivals, TTFT/TPOT/ITL, with and without a front-end
+# A machine takes ~40 s to start. Set SPLITSERVE_COMMIT to the hash, written out in the command
+# (the device machine's copy of the tree may carry a stale .git: `git rev-parse` there once
+# reported an older commit than the tree it ran):
 #   OUT=$OUT SPLITSERVE_COMMIT=<hash of this tree> bash bench/gpu_run.sh tests bench-0.6b
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,11 +43,16 @@ for stage in "$@"; do
              | tee "$OUT/kernels.log" | tail -40 ;;
     moe) timeout 300 python3 bench/fused_moe.py --out "$OUT/fused_moe.json" 2>&1 | tail -30 ;;
     profile) timeout 200 python3 bench/profile_decode.py 2>&1 | grep -v Warning | tail -70 ;;
+    profile-32) timeout 200 python3 bench/profile_decode.py --rows 32 --prompt-len 1500 2>&1 | grep -v Warning | tail -70 ;;
     bench-0.6b) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-8b) timeout 240 python3 bench/throughput.py --model qwen3-8b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-30b) timeout 300 python3 bench/throughput.py --model qwen3-30b-a3b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-si4) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --stream-interval 4 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fe0) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --frontends 0 --out-dir "$OUT" 2>&1 | tail -20 ;;
+    serving-0.6b) for fe in 1 0; do timeout 200 python3 bench/serving.py --model qwen3-0.6b --device cuda \
+             --frontends $fe --request-rates 16 64 inf --num-requests 512 --input-len 512 \
+             --output-len 256 --goodput ttft:500 tpot:50 --out "$OUT/serving-0.6b-fe$fe.json" 2>&1 \
+             | grep -E "^rate|Error" | sed "s/^/fe$fe /"; done ;;
     bench-0.6b-tp2) timeout 400 python3 bench/throughput.py --model qwen3-0.6b --modes split --tp 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;
   esac

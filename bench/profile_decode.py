@@ -1,9 +1,9 @@
-"""Where a decode step's time goes, in-process: torch.profiler over 20 decode steps of 256
-requests (512-token prompts, 40 output tokens; the prefill steps before them are not profiled)
-after an identical warm-up run. Prints the wall and device-kernel time per step, the top device
+"""Where a decode step's time goes, in-process: torch.profiler over 20 decode steps of --rows
+requests (256; --prompt-len 512-token prompts, 40 output tokens; the prefill steps before them
+are not profiled) after an identical warm-up run. Prints the wall and device-kernel time per step, the top device
 kernels, the top host ops and the host-side breakdown.
 
-    python bench/profile_decode.py [--model qwen3-0.6b] [--out trace.json]
+    python bench/profile_decode.py [--model qwen3-0.6b] [--rows 32] [--out trace.json]
 """
 
 import argparse
@@ -28,6 +28,8 @@ from splitserve.llm import LLM  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--rows", type=int, default=256, help="requests decoding together")
+    parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
     model_dir = checkpoints.write_config_only(pathlib.Path(tempfile.mkdtemp()) / args.model,
@@ -35,12 +37,13 @@ def main() -> None:
     llm = LLM(model_dir, device="cuda", load_format="dummy", max_num_seqs=256,
               max_num_batched_tokens=16384, max_model_len=4096)
     rng = random.Random(0)
-    prompts = [[rng.randint(0, 10000) for _ in range(512)] for _ in range(256)]
+    prompts = [[rng.randint(0, 10000) for _ in range(args.prompt_len)] for _ in range(args.rows)]
     llm.generate(prompts, max_tokens=40, temperature=0.6, ignore_eos=True)
     host = HostTimes(llm)
-    prompts = [[rng.randint(0, 10000) for _ in range(512)] for _ in range(256)]
-    # Profile decode steps only: the prompts' prefill (8 steps of 16384 tokens) is skipped.
-    schedule = torch.profiler.schedule(wait=12, warmup=2, active=20, repeat=1)
+    prompts = [[rng.randint(0, 10000) for _ in range(args.prompt_len)] for _ in range(args.rows)]
+    # Profile decode steps only: the prompts' prefill steps (of 16384 tokens) and 4 more go by.
+    wait = -(-args.rows * args.prompt_len // 16384) + 4
+    schedule = torch.profiler.schedule(wait=wait, warmup=2, active=20, repeat=1)
     marks: list[float] = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA],
@@ -55,10 +58,10 @@ def main() -> None:
         llm.runner.submit = submit
         llm.generate(prompts, max_tokens=40, temperature=0.6, ignore_eos=True)
     steps = 20
-    wall = marks[14 + steps - 1] - marks[14 - 1]
+    wall = marks[wait + 2 + steps - 1] - marks[wait + 2 - 1]
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events)
-    print(f"{steps} decode steps of 256 rows: {1e3 * wall / steps:.2f} ms/step wall; device "
+    print(f"{steps} decode steps of {args.rows} rows: {1e3 * wall / steps:.2f} ms/step wall; device "
           f"kernels {device_us / 1e3 / steps:.2f} ms/step ({device_us / 1e6 / wall:.0%})")
     print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))

@@ -1,4 +1,35 @@
-"""The figures of a run through `splitserve serve`, shared by the benchmarks that run one."""
+"""What the benchmarks that run `splitserve serve` share: starting it, and a run's figures."""
+
+import contextlib
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+
+from common.transport import free_tcp_port
+from splitserve.client import Client
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def serve(serve_args: Sequence[str], log_path: pathlib.Path,
+          timeout: float = 600) -> Iterator[str]:
+    """`splitserve serve` with these arguments on a free port, its output in log_path; yields
+    its address once health says SERVING, and stops it (SIGTERM) on the way out."""
+    port = free_tcp_port()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--port", str(port),
+                                   *serve_args], cwd=ROOT, stdout=log, stderr=log)
+    address = f"127.0.0.1:{port}"
+    try:
+        with Client(address) as client:
+            if not client.wait_until_serving(timeout):
+                raise RuntimeError(f"server not serving after {timeout:.0f} s; see {log_path}")
+        yield address
+    finally:
+        server.terminate()
+        server.wait(60)
 
 
 def figures(before, after, done) -> dict:

@@ -34,10 +34,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.transport import free_tcp_port  # noqa: E402
 from dataplane import checkpoints  # noqa: E402
 from dataplane.models import model_class  # noqa: E402
-from served import figures  # noqa: E402
+from served import figures, serve  # noqa: E402
 
 
 def shapes(name: str):
@@ -213,29 +212,25 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
 
 def run_split(model_dir, prompts, outputs, args) -> dict:
     from splitserve.client import AsyncClient, Client
-    port = free_tcp_port()
-    log = open(args.out_dir / f"serve-{args.model}.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "splitserve", "serve", "--model", str(model_dir), "--device", "cuda",
-         "--load-format", "dummy", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
-         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len",
-         str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-         "--attention-backend", args.attention_backend, "--tp", str(args.tp),
-         "--max-waiting-requests", "4096", "--step-timeout", "600",
-         "--stream-interval", str(args.stream_interval), "--frontends", str(args.frontends)]
-        + (["--enforce-eager"] if args.enforce_eager else []), cwd=ROOT, stdout=log, stderr=log)
-    address = f"127.0.0.1:{port}"
-    try:
-        with Client(address) as client:
-            if not client.wait_until_serving(600):
-                raise RuntimeError(f"server not serving; see {log.name}")
-            warm_prompts, warm_sampling = warm_up(prompts)
+    serve_args = [
+        "--model", str(model_dir), "--device", "cuda", "--load-format", "dummy",
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--max-model-len", str(args.max_model_len),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--attention-backend", args.attention_backend, "--tp", str(args.tp),
+        "--max-waiting-requests", "4096", "--step-timeout", "600",
+        "--stream-interval", str(args.stream_interval), "--frontends", str(args.frontends),
+        *(["--enforce-eager"] if args.enforce_eager else [])]
+    with serve(serve_args, args.out_dir / f"serve-{args.model}.log") as address:
+        warm_prompts, warm_sampling = warm_up(prompts)
 
-            async def warm():
-                async with AsyncClient(address) as c:
-                    await asyncio.gather(*(c.generate(p, **s, ignore_eos=True)
-                                           for p, s in zip(warm_prompts, warm_sampling)))
-            asyncio.run(warm())
+        async def warm():
+            async with AsyncClient(address) as c:
+                await asyncio.gather(*(c.generate(p, **s, ignore_eos=True)
+                                       for p, s in zip(warm_prompts, warm_sampling)))
+        asyncio.run(warm())
+        with Client(address) as client:
             before = client.load()
 
         async def send_all():
@@ -249,9 +244,6 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
         with Client(address) as client:
             after = client.load()
             info = client.model_info()
-    finally:
-        server.terminate()
-        server.wait(60)
     return {"seconds": seconds, **figures(before, after, done), "tp": info.tp_size,
             "num_kv_blocks": after.kv_blocks_total}
 
