@@ -31,7 +31,7 @@ from dataplane.kernels.paged_decode_attention import (paged_decode_attention,
 from dataplane.kernels.paged_prefill_attention import (paged_prefill_attention,
                                                        paged_prefill_attention_ref)
 from dataplane.kernels.rmsnorm import fused_add_rms_norm, rms_norm_ref
-from dataplane.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
+from dataplane.kernels.qk_norm_rope import qk_norm_rope_store, qk_norm_rope_store_ref
 from dataplane.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from dataplane.kernels.store_kv import store_kv, store_kv_ref
 
@@ -193,8 +193,11 @@ def elementwise_cases(model: str, num_tokens: int) -> list[tuple[str, Callable, 
          lambda: rms_norm_ref(x, w, 1e-6, res), 4 * x.numel() * e),
         ("silu_and_mul", lambda: silu_and_mul(gate_up), lambda: silu_and_mul_ref(gate_up),
          3 * num_tokens * inter * e),
-        ("qk_norm_rope", lambda: qk_norm_rope(positions, q, k, head_w, head_w, 1e-6, cos_sin),
-         lambda: qk_norm_rope_ref(positions, q, k, head_w, head_w, 1e-6, cos_sin), qk_bytes),
+        ("qk_norm_rope_store",
+         lambda: qk_norm_rope_store(positions, q, k, k, head_w, head_w, 1e-6, cos_sin, cache[0],
+                                    cache[1], slots),
+         lambda: qk_norm_rope_store_ref(positions, q, k, k, head_w, head_w, 1e-6, cos_sin,
+                                        cache[0], cache[1], slots), qk_bytes + 2 * k.numel() * e),
         ("store_kv", lambda: store_kv(k, k, cache[0], cache[1], slots),
          lambda: store_kv_ref(k, k, cache[0], cache[1], slots), 4 * k.numel() * e),
     ]

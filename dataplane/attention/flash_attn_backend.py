@@ -26,9 +26,11 @@ class FlashAttention4:
     def __init__(self, varlen_fn: Callable) -> None:
         self.varlen_fn = varlen_fn  # flash_attn.cute.flash_attn_varlen_func
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
+                scale: float) -> torch.Tensor:
+        if k is not None:
+            store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         # Causal masks align to the end of each sequence: query i of a request sees keys up to
         # seqused_k - q_len + i, which is our position convention.
         out, _ = self.varlen_fn(q, k_cache, v_cache, cu_seqlens_q=ctx.query_start_loc,
@@ -46,9 +48,11 @@ class FlashAttention2:
         self.varlen_fn = varlen_fn  # flash_attn.flash_attn_varlen_func
         self.kvcache_fn = kvcache_fn  # flash_attn.flash_attn_with_kvcache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
+                scale: float) -> torch.Tensor:
+        if k is not None:
+            store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
             out = self.kvcache_fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.seq_lens,
                                   block_table=ctx.block_tables, softmax_scale=scale, causal=True)

@@ -24,9 +24,11 @@ class TritonAttention:
         size and ctx.max_seq_len."""
         self.num_splits = num_splits
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
+                scale: float) -> torch.Tensor:
+        if k is not None:
+            store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
             return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
                                           scale, num_splits=self.num_splits,

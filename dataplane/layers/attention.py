@@ -3,6 +3,7 @@ from torch import nn
 
 from dataplane.attention import AttentionBackend
 from dataplane.forward_context import get_forward_context
+from dataplane.layers.layernorm import RMSNorm
 
 
 class Attention(nn.Module):
@@ -26,3 +27,15 @@ class Attention(nn.Module):
         assert self.backend is not None, "bind_kv_cache() before the first forward"
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_forward_context(),
                                     self.scale)
+
+    def forward_qk_norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                             cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """CUDA only: per-head RMSNorm of q and k, RoPE, and the store of k and v at the step's
+        slots in one kernel (Qwen3's attention prologue), then attention over the cache."""
+        from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
+        assert self.backend is not None, "bind_kv_cache() before the first forward"
+        ctx = get_forward_context()
+        q = qk_norm_rope_store(positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps,
+                               cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping)
+        return self.backend.forward(q, None, None, self.k_cache, self.v_cache, ctx, self.scale)

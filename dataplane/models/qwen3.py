@@ -57,19 +57,13 @@ class Qwen3Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
-        q, k = self._norm_and_rotate(positions, q, k)
-        out = self.attn(q, k, v)  # [T, heads, head_dim]
+        if q.is_cuda:  # one kernel for the norms, RoPE and the K/V store
+            out = self.attn.forward_qk_norm_rope(positions, q, k, v, self.q_norm, self.k_norm,
+                                                 self.rotary_emb.cos_sin_cache)
+        else:
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+            out = self.attn(q, k, v)  # [T, heads, head_dim]
         return self.o_proj(out.flatten(1))  # [T, hidden]
-
-
-    def _norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head RMSNorm of q and k, then RoPE: one Triton kernel on CUDA."""
-        if q.is_cuda:
-            from dataplane.kernels.qk_norm_rope import qk_norm_rope
-            return qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight,
-                                self.q_norm.eps, self.rotary_emb.cos_sin_cache)
-        return self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
 
 
 class Qwen3MLP(nn.Module):
