@@ -3,6 +3,11 @@ checkpoints: bf16 keeps the greedy tokens of the first steps and close logprobs;
 give what eager gives; TP=2 over NCCL gives what TP=1 gives; the whole stack on CUDA is greedy-
 identical to transformers in float32."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -44,6 +49,18 @@ def test_float32_on_cuda_equals_transformers_with_graphs_and_eager(checkpoints):
     eager = greedy(model, 24, device="cuda", dtype="float32", enforce_eager=True)
     assert [c.token_ids for c in graphs] == expected
     assert [c.token_ids for c in eager] == expected
+
+
+def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path):
+    """A kernel variant that first compiles inside a served step stalls that step for a second
+    or more (split mode lost 10-15% of workload A to one, until 1961f62): configure's warm-up must
+    meet every variant the steps launch. A fresh Triton cache shows what compiles when."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    probe = subprocess.run([sys.executable, "-m", "tests.dataplane.compile_probe",
+                            str(checkpoints["untied"])], env=env, capture_output=True, text=True,
+                           timeout=500)
+    assert probe.returncode == 0, probe.stderr[-4000:]
+    assert json.loads(probe.stdout.splitlines()[-1]) == []
 
 
 def test_serve_on_cuda_equals_transformers(checkpoints, tmp_path):

@@ -1,0 +1,61 @@
+"""For test_gpu_runner, in a process of its own whose TRITON_CACHE_DIR starts empty: an LLM on
+CUDA attaches (configure and its warm-up), then serves a varied workload (prompt lengths across
+block boundaries, chunked prefill mixed with decodes, every decode batch size up to 14, greedy and
+sampled rows, per-request seeds, top-k/top-p, penalties, logprobs). Prints, as the last line, a
+JSON list of the Triton kernels that compiled during the workload.
+
+    python -m tests.dataplane.compile_probe MODEL_DIR
+"""
+
+import json
+import os
+import pathlib
+import random
+import sys
+
+from splitserve.llm import LLM
+
+LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 129, 250, 300]
+
+
+def compiled_kernels() -> set[str]:
+    """Cache entries (hash directory / kernel name) of every kernel compiled so far."""
+    root = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
+    return {f"{p.parent.name}/{p.stem}" for p in root.glob("*/*.json")
+            if not p.name.startswith("__grp__")}
+
+
+def sampling(rng: random.Random, i: int) -> dict:
+    options = {"max_tokens": rng.randint(1, 40), "temperature": (0.0, 0.6, 1.0)[i % 3]}
+    if i % 4 == 1:
+        options["seed"] = 1000 + i
+    if i % 5 == 2:
+        options |= {"top_k": 20, "top_p": 0.9}
+    if i % 6 == 3:
+        options |= {"repetition_penalty": 1.1, "presence_penalty": 0.5}
+    if i % 7 == 4:
+        options["logprobs"] = 3
+    return options
+
+
+def main(model_dir: str) -> None:
+    llm = LLM(model_dir, device="cuda", max_num_seqs=16, max_num_batched_tokens=64,
+              max_model_len=512)
+    try:
+        llm.loop.run_until_complete(llm.dataplane.attach())
+        before = compiled_kernels()
+        rng = random.Random(0)
+        vocab = llm.model.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(n)] for n in LENGTHS]
+        per_prompt = [sampling(rng, i) for i in range(len(prompts))]
+        llm.generate(prompts, per_prompt, ignore_eos=True)
+        for size in (1, 3):  # small batches from the start
+            llm.generate(prompts[-size:], per_prompt[-size:], ignore_eos=True)
+        after = compiled_kernels()
+    finally:
+        llm.close()
+    print(json.dumps(sorted(after - before)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
