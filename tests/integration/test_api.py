@@ -97,7 +97,8 @@ def test_bad_input_is_invalid_argument_naming_field_limit_value(server, case):
 
 
 def test_duplicate_live_request_id_is_refused(server):
-    stream = server.client.generate_stream([1, 2], request_id="dup", max_tokens=200, ignore_eos=True)
+    # as many tokens as fit: still running when the duplicate arrives, on a loaded machine too
+    stream = server.client.generate_stream([1, 2], request_id="dup", ignore_eos=True)
     next(stream)
     with pytest.raises(grpc.RpcError) as error:
         server.client.generate([1, 2], request_id="dup", max_tokens=2)
@@ -117,7 +118,8 @@ def greedy_chunks(server, prompt, n):
 
 def test_stop_string_spanning_chunks_never_reaches_the_client(server):
     prompt = [5, 17, 99, 3]
-    texts = [c.text for c in greedy_chunks(server, prompt, 40)]
+    # 150 tokens: enough messages for a boundary even when a busy front-end merges some
+    texts = [c.text for c in greedy_chunks(server, prompt, 150)]
     full = "".join(texts)
     # a two-character stop string whose first occurrence straddles a chunk boundary
     stop, start = None, 0
@@ -129,7 +131,7 @@ def test_stop_string_spanning_chunks_never_reaches_the_client(server):
                 stop = candidate
                 break
     assert stop is not None, f"no usable boundary in {texts!r}"
-    chunks = list(server.client.generate_stream(prompt, max_tokens=40, temperature=0,
+    chunks = list(server.client.generate_stream(prompt, max_tokens=150, temperature=0,
                                                 ignore_eos=True, stop=["never-there", stop]))
     assert "".join(c.text for c in chunks) == full[:full.find(stop)]
     assert chunks[-1].finish_reason == generation_pb2.FINISH_REASON_STOP
@@ -186,8 +188,7 @@ def test_logprobs_match_transformers(server, model):
 
 
 def test_abort_rpc_ends_the_stream_and_is_idempotent(server):
-    stream = server.client.generate_stream([1, 2, 3], request_id="to-abort", max_tokens=400,
-                                           ignore_eos=True)
+    stream = server.client.generate_stream([1, 2, 3], request_id="to-abort", ignore_eos=True)
     next(stream)
     assert server.client.abort("to-abort", "unknown") == 1
     last = list(stream)[-1]
@@ -212,7 +213,9 @@ def test_200_streams_with_cancels_and_deadlines_leave_nothing_behind(server):
         call = client.generate_stream([i % 300 + 1, 2, 3, 4], max_tokens=10 + i % 30,
                                       temperature=0.8, ignore_eos=True,
                                       timeout=0.3 if i % 7 == 0 else 60)
-        return await harness.stream_outcome(call, cancel_after=3 if i % 3 == 0 else None)
+        # cancelled after its first message: a later one may never come on its own, as a
+        # busy front-end merges the tokens that piled up into one message
+        return await harness.stream_outcome(call, cancel_after=1 if i % 3 == 0 else None)
 
     async def run():
         async with AsyncClient(server.address) as client:

@@ -116,8 +116,8 @@ def test_a_killed_frontend_ends_its_streams_frees_their_blocks_and_is_restarted(
 
 
 def test_a_stalled_frontend_loses_no_token(model, tmp_path):
-    """SIGSTOP of the front-end for 1.5 s (its last Hello at most 1 s before: under the
-    engine's 3 s silence limit) while 128 streams run: the engine's replies wait for it, and
+    """SIGSTOP of the front-end for 1 s (its last Hello about 1 s before, later on a loaded
+    machine: under the engine's 3 s silence limit) while 128 streams run: the engine's replies wait for it, and
     every stream ends complete. (tests/controlplane/test_frontend.py shows that no reply is
     dropped however many queue.)"""
     num_streams, max_tokens = 128, 500
@@ -129,7 +129,7 @@ def test_a_stalled_frontend_loses_no_token(model, tmp_path):
         assert flight.started.wait(60)
         stalled = frontend_pid(server)
         os.kill(stalled, signal.SIGSTOP)
-        time.sleep(1.5)
+        time.sleep(1.0)
         os.kill(stalled, signal.SIGCONT)
         results = flight.wait()
         assert [r[0] for r in results] == ["FINISH_REASON_LENGTH"] * num_streams
@@ -303,7 +303,9 @@ def test_sigterm_drains(model, tmp_path, to):
         os.killpg(server.processes[0].popen.pid, signal.SIGTERM)
     else:
         server.processes[0].popen.send_signal(signal.SIGTERM)
-    assert harness.wait_until(lambda: not server.client.is_serving(), 2)
+    # within 10 s: the health change goes engine -> front-end on two busy cores (it is ~50 ms
+    # idle); streams that finish sooner end the server, which is not serving either
+    assert harness.wait_until(lambda: not server.client.is_serving(), 10)
     with pytest.raises(grpc.RpcError) as error:
         server.client.generate([1, 2], max_tokens=2)
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE

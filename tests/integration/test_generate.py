@@ -71,7 +71,7 @@ def test_text_prompt_streams_the_decoded_text(server):
     """Every token once, in order, its text decoded, the end on the last message. How many
     messages carry them depends on timing: tokens that arrive while a stream's last message is
     still being written share the next one (a starved front-end process on a busy 2-core CI
-    machine once got all ten at once); a longer stream is still streamed."""
+    machine once got all ten at once); a longer stream still comes in more than one."""
     chunks = list(server.client.generate_stream("The quick brown fox", max_tokens=10,
                                                 temperature=0, ignore_eos=True))
     assert chunks[-1].finish_reason and not any(c.finish_reason for c in chunks[:-1])
@@ -83,7 +83,7 @@ def test_text_prompt_streams_the_decoded_text(server):
     assert server.client.detokenize(server.client.tokenize(prompt)) == prompt
     longer = list(server.client.generate_stream(prompt, max_tokens=200, temperature=0,
                                                 ignore_eos=True))
-    assert len(longer) > 10 and sum(len(c.token_ids) for c in longer) == 200
+    assert len(longer) > 1 and sum(len(c.token_ids) for c in longer) == 200
 
 
 def test_load_returns_to_zero(server):

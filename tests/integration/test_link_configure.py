@@ -1,6 +1,7 @@
 """A data plane may be silent while it configures (kernel compiles hold its GIL, so its I/O
 thread cannot heartbeat): the control plane waits for its Ready past the heartbeat timeout."""
 
+import itertools
 import time
 
 import pytest
@@ -30,7 +31,14 @@ def test_a_data_plane_silent_while_configuring_is_attached_when_ready(checkpoint
         ready = link_pb2.Ready(num_kv_blocks=64, block_size=16)
         sock.send_multipart(framing.encode(link_pb2.LinkMessage(seq=2, epoch=configure.epoch,
                                                                 ready=ready)))
-        assert server.client.wait_until_serving(5), server.log()
+        seq = itertools.count(3)
+
+        def heartbeat_and_check() -> bool:
+            """Attached, the fake must heartbeat like a data plane or be dropped 1.5 s on."""
+            sock.send_multipart(framing.encode(link_pb2.LinkMessage(
+                seq=next(seq), epoch=configure.epoch, heartbeat=link_pb2.Heartbeat())))
+            return server.client.is_serving(timeout=1.0)
+        assert harness.wait_until(heartbeat_and_check, 10), server.log()
         assert "silent" not in server.log()
     finally:
         sock.close()
