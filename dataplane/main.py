@@ -48,6 +48,15 @@ def spawn_followers(config: DataPlaneConfig, argv: list[str]) -> tuple[str, list
     return init_method, children
 
 
+def cpu_threads(num_cores: int, tp: int) -> int:
+    """Torch threads of each CPU rank: the cores but one (the control plane's engine and gRPC
+    front-end run beside the data plane), shared by the ranks. OpenMP threads spin at their
+    barriers, so one that loses its core stalls the others: on 2 cores, 128 streams of 500
+    tokens (bench/controlplane_cpu.py) took 30 s with 2 threads and 34 s with 1, but with two
+    other busy processes on the machine over 140 s with 2 threads and 35 s with 1."""
+    return max(1, (num_cores - 1) // tp)
+
+
 def run(config: DataPlaneConfig, argv: list[str]) -> None:
     if config.parent_pid is not None:
         die_with_parent(config.parent_pid)
@@ -57,7 +66,7 @@ def run(config: DataPlaneConfig, argv: list[str]) -> None:
         config = replace(config, rank=0, dist_init_method=init_method)
     rank = config.rank or 0
     if config.runner.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp))
+        torch.set_num_threads(cpu_threads(os.cpu_count() or 1, config.tp))
     try:
         init_distributed(ParallelConfig(rank, config.tp, config.dist_init_method, config.runner.device))
         runner = ModelRunner.load(config.runner)
