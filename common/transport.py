@@ -126,6 +126,23 @@ def free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
+def reserve_tcp_port(host: str) -> socket.socket:
+    """A socket bound to a free TCP port of `host` with SO_REUSEPORT, not listening: while it is
+    open no other program can take the port, yet servers that set SO_REUSEPORT too (gRPC does)
+    can bind it beside it; it gets no connections, as it does not listen. Read the port with
+    getsockname()[1]; close it when the port is no longer needed."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    holder = socket.socket(family, kind, proto)
+    try:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(address)
+    except OSError:
+        holder.close()
+        raise
+    return holder
+
+
 def private_ipc_address(name: str = "link") -> str:
     """An ipc:// endpoint in a fresh directory only this user can enter."""
     directory = tempfile.mkdtemp(prefix="splitserve-")

@@ -8,6 +8,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import grpc
 from grpc_health.v1 import health
 
 from common.model_info import ModelInfo
-from common.transport import LinkConfig, free_tcp_port, private_ipc_address
+from common.transport import LinkConfig, private_ipc_address, reserve_tcp_port
 from controlplane.api_server import GenerationServicer
 from controlplane.dataplane_link import DataPlaneLink
 from controlplane.engine import Engine, EngineConfig
@@ -94,6 +95,7 @@ class ControlPlane:
         self._spawn = spawn
         self.frontend_supervisors: list = []
         self.frontend_link: FrontendLink | None = None
+        self._port_reservation: socket.socket | None = None
         self.model = ModelInfo.from_dir(config.model_dir)
         self.engine_config = config.engine_config(self.model)
         self._on_dataplane_lost = on_dataplane_lost or (lambda: None)
@@ -147,8 +149,13 @@ class ControlPlane:
         return self.port
 
     async def _start_frontends(self, servicer: GenerationServicer) -> int:
-        # Every front-end binds the same port (gRPC sets SO_REUSEPORT), so one is chosen here.
-        port = self.config.port or free_tcp_port()
+        # Every front-end binds the same port (gRPC sets SO_REUSEPORT), so one is chosen here;
+        # a port chosen here stays reserved while the server runs (a restarted front-end binds
+        # it again later).
+        port = self.config.port
+        if not port:
+            self._port_reservation = reserve_tcp_port(self.config.host)
+            port = self._port_reservation.getsockname()[1]
         address = private_ipc_address("frontend")
         self.frontend_link = FrontendLink(address, servicer, serving=lambda: self.is_serving)
         started = asyncio.Event()
@@ -204,6 +211,8 @@ class ControlPlane:
             await asyncio.gather(*(frontend.stop() for frontend in self.frontend_supervisors))
         if self.frontend_link is not None:
             await self.frontend_link.close()
+        if self._port_reservation is not None:
+            self._port_reservation.close()
         if self.engine_task is not None:
             log.info("stopping the engine")
             self.engine.close()
