@@ -6,6 +6,7 @@ import datetime
 import os
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -92,10 +93,23 @@ def frontend_pid(server) -> int:
     return pid
 
 
+def port_is_free(port: int) -> bool:
+    """Whether another program could bind the port now (SO_REUSEADDR: a dead server's
+    connections in TIME_WAIT do not count)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def test_a_killed_frontend_ends_its_streams_frees_their_blocks_and_is_restarted(model, tmp_path):
     """The front-end holds the client connections: kill -9 cuts its streams (the clients see
     UNAVAILABLE), the engine ends their requests once the front-end is silent, running and
-    queued alike (no KV block stays taken), and a new front-end serves on the same port."""
+    queued alike (no KV block stays taken), and a new front-end serves on the same port, which
+    nobody else could take meanwhile."""
     server = harness.serve(model, tmp_path, "--num-kv-blocks", "512", "--max-num-seqs", "2")
     try:
         # fifty rounds of two long requests: work left when the engine gives up on the
@@ -105,6 +119,8 @@ def test_a_killed_frontend_ends_its_streams_frees_their_blocks_and_is_restarted(
         assert flight.started.wait(60)
         killed = frontend_pid(server)
         os.kill(killed, signal.SIGKILL)
+        assert harness.wait_until(lambda: not harness.alive(killed), 10)
+        assert not port_is_free(int(server.address.rsplit(":", 1)[1]))  # kept for the next one
         assert [r[0] for r in flight.wait()] == ["UNAVAILABLE"] * len(prompts)
         ended = server.processes[0].wait_for_log(r"front-end went silent; ending its (\d+) calls",
                                                  timeout_s=15)
