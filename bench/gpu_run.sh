@@ -3,7 +3,8 @@
 # FlashAttention-4 bundle installed, then the stages named on the command line, each logging to
 # $OUT. Stages:
 #   tests          the GPU-marked tests
-#   runner         the runner, serve, TP=2, sampler and elementwise-kernel tests (~175 s)
+#   runner         the runner, serve, TP=2, sampler and elementwise-kernel tests (~175 s before the
+#                  no-compile-after-configure test, which compiles every kernel once more)
 #   kernels        kernel micro-benchmarks          moe   fused MoE tuning
 #   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise
@@ -34,7 +35,7 @@ for stage in "$@"; do
              --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
              tests/dataplane/test_moe_vs_hf.py tests/dataplane/kernels > "$OUT/tests.log" 2>&1
            grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -40 ;;
-    runner) timeout 400 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
+    runner) timeout 500 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
              tests/dataplane/test_moe_vs_hf.py tests/dataplane/kernels/test_gumbel_sample.py \
              tests/dataplane/kernels/test_elementwise.py > "$OUT/runner.log" 2>&1

@@ -50,16 +50,17 @@ class Timing:
     def num_tokens(self) -> int:
         return sum(self.tokens_per_message)
 
-    def metrics(self) -> dict[str, float | list[float]]:
+    def metrics(self) -> dict[str, float | list[float] | None]:
         ttft, e2el = self.message_times[0], self.message_times[-1]
         return {"ttft": ttft, "e2el": e2el,
                 "tpot": (e2el - ttft) / (self.num_tokens - 1) if self.num_tokens > 1 else None,
                 "itl": list(np.diff(self.message_times))}
 
 
-def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
-    """(prompt, output length) per request: lengths uniform in len * [1 - ratio, 1 + ratio]."""
-    rng = random.Random(args.seed)
+def workload(args, vocab_size: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt, output length) per request: lengths uniform in len * [1 - ratio, 1 + ratio].
+    Each run draws its own (seed): a prompt sent twice would hit the prefix cache."""
+    rng = random.Random(seed)
 
     def length(mean: int) -> int:
         return rng.randint(max(1, round(mean * (1 - args.range_ratio))),
@@ -150,19 +151,19 @@ def benchmark(address: str, args) -> dict:
     from splitserve.client import Client
     with Client(address) as client:
         info = client.model_info()
-    requests = workload(args, info.vocab_size)
-    warm = [(p, 8) for p, _ in requests[:args.num_warmup]]
+    warm = [(p, 8) for p, _ in workload(args, info.vocab_size, args.seed)[:args.num_warmup]]
     asyncio.run(run_rate(address, warm, float("inf"), args.temperature, args.seed))
     slos = parse_slos(args.goodput)
     results = []
-    for rate in args.request_rates:
+    for i, rate in enumerate(args.request_rates, start=1):
+        requests = workload(args, info.vocab_size, args.seed + i)
         timings, seconds = asyncio.run(run_rate(address, requests, rate, args.temperature,
                                                 args.seed))
         results.append({"request_rate": rate if rate != float("inf") else "inf",
                         **summarize(timings, seconds, slos)})
         row = results[-1]
-        print(f"rate {row['request_rate']:>6}: {row['completed']}/{len(timings)} done in {seconds:.1f} s, "
-              f"{row['output_throughput']:.0f} tok/s; TTFT p50 {row['p50_ttft_ms']:.0f} / p99 "
+        print(f"rate {row['request_rate']:>6}: {row['completed']}/{len(timings)} done in "
+              f"{seconds:.1f} s, {row['output_throughput']:.0f} tok/s; TTFT p50 {row['p50_ttft_ms']:.0f} / p99 "
               f"{row['p99_ttft_ms']:.0f} ms, TPOT p50 {row['p50_tpot_ms']:.1f} ms, ITL p50 "
               f"{row['p50_itl_ms']:.1f} / p99 {row['p99_itl_ms']:.1f} ms"
               + (f", goodput {row['goodput']:.2f} req/s" if slos else ""), flush=True)

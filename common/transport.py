@@ -127,12 +127,13 @@ def free_tcp_port() -> int:
 
 
 def reserve_tcp_port(host: str) -> socket.socket:
-    """A socket bound to a free TCP port of `host` with SO_REUSEPORT, not listening: while it is
-    open no other program can take the port, yet servers that set SO_REUSEPORT too (gRPC does)
-    can bind it beside it; it gets no connections, as it does not listen. Read the port with
-    getsockname()[1]; close it when the port is no longer needed."""
+    """A socket bound to a free TCP port of `host` ("[::]" as gRPC writes it, too) with
+    SO_REUSEPORT, not listening: while it is open only sockets that set SO_REUSEPORT as well
+    (gRPC's do; a program of another user cannot) can bind the port; it gets no connections,
+    as it does not listen. Holds the first address `host` resolves to (for "localhost", not
+    both). Read the port with getsockname()[1]; close it when the port is no longer needed."""
     family, kind, proto, _, address = socket.getaddrinfo(
-        host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        host.strip("[]"), 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     holder = socket.socket(family, kind, proto)
     try:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

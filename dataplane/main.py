@@ -49,8 +49,9 @@ def spawn_followers(config: DataPlaneConfig, argv: list[str]) -> tuple[str, list
 
 
 def cpu_threads(num_cores: int, tp: int) -> int:
-    """Torch threads of each CPU rank: the cores but one (the control plane's engine and gRPC
-    front-end run beside the data plane), shared by the ranks. OpenMP threads spin at their
+    """Torch threads of each CPU rank: the cores but one (under `serve` the control plane's
+    engine and gRPC front-end run beside the data plane; a data plane started alone gives one
+    up too), shared by the ranks. OpenMP threads spin at their
     barriers, so one that loses its core stalls the others: on 2 cores, 128 streams of 500
     tokens (bench/controlplane_cpu.py) took 30 s with 2 threads and 34 s with 1, but with two
     other busy processes on the machine over 140 s with 2 threads and 35 s with 1."""

@@ -1,7 +1,7 @@
 """For test_gpu_runner, in a process of its own whose TRITON_CACHE_DIR starts empty: an LLM on
 CUDA attaches (configure and its warm-up), then serves a varied workload (prompt lengths across
-block boundaries, chunked prefill mixed with decodes, every decode batch size up to 14, greedy and
-sampled rows, per-request seeds, top-k/top-p, penalties, logprobs). Prints, as the last line, a
+block boundaries, chunked prefill mixed with decodes, many decode batch sizes up to 14, greedy
+and sampled rows, per-request seeds, top-k/top-p, penalties, logprobs). Prints, as the last line, a
 JSON list of the Triton kernels that compiled during the workload.
 
     python -m tests.dataplane.compile_probe MODEL_DIR

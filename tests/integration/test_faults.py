@@ -109,7 +109,8 @@ def test_a_killed_frontend_ends_its_streams_frees_their_blocks_and_is_restarted(
     """The front-end holds the client connections: kill -9 cuts its streams (the clients see
     UNAVAILABLE), the engine ends their requests once the front-end is silent, running and
     queued alike (no KV block stays taken), and a new front-end serves on the same port, which
-    nobody else could take meanwhile."""
+    another program could not take meanwhile (while the restart binds it, the check shows
+    nothing: it runs at once, before the 0.5 s restart delay)."""
     server = harness.serve(model, tmp_path, "--num-kv-blocks", "512", "--max-num-seqs", "2")
     try:
         # fifty rounds of two long requests: work left when the engine gives up on the
@@ -135,9 +136,9 @@ def test_a_killed_frontend_ends_its_streams_frees_their_blocks_and_is_restarted(
 
 def test_a_stalled_frontend_loses_no_token(model, tmp_path):
     """SIGSTOP of the front-end for 1 s (its last Hello about 1 s before, later on a loaded
-    machine: under the engine's 3 s silence limit) while 128 streams run: the engine's replies wait for it, and
-    every stream ends complete. (tests/controlplane/test_frontend.py shows that no reply is
-    dropped however many queue.)"""
+    machine: under the engine's 3 s silence limit) while 128 streams run: the engine's replies
+    wait for it, and every stream ends complete. (tests/controlplane/test_frontend.py shows that
+    no reply is dropped however many queue.)"""
     num_streams, max_tokens = 128, 500
     server = harness.serve(model, tmp_path, "--num-kv-blocks", "4096", "--max-num-seqs",
                            str(num_streams))

@@ -78,8 +78,9 @@ def test_qk_norm_rope_store_writes_k_and_v_at_their_slots(dtype, num_tokens, num
                                                           num_kv_heads, head_dim, block_size,
                                                           device, gen):
     """Qwen3's attention prologue in one launch: q normalized and rotated into a new tensor; the
-    normalized, rotated k and the untouched v at their slots of the paged cache (padding rows, slot -1, write nothing;
-    every other slot keeps its NaN poison); the QKV output is left as it was."""
+    normalized, rotated k and the untouched v at their slots of the paged cache (padding rows,
+    slot -1, write nothing; every other slot keeps its NaN poison); the QKV output is left as
+    it was."""
     skip_unsupported(dtype, device)
     rope = RotaryEmbedding(head_dim, 4096, 1e6).to(device)
     positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(device)
@@ -108,4 +109,3 @@ def test_qk_norm_rope_store_writes_k_and_v_at_their_slots(dtype, num_tokens, num
     assert_close(kv.nan_to_num(), expected_kv.nan_to_num(), dtype)
     assert torch.equal(kv[1].nan_to_num(), expected_kv[1].nan_to_num())  # v: a copy
     assert torch.equal(qkv, before)
-
