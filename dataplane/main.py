@@ -67,7 +67,10 @@ def run(config: DataPlaneConfig, argv: list[str]) -> None:
         config = replace(config, rank=0, dist_init_method=init_method)
     rank = config.rank or 0
     if config.runner.device == "cpu":
-        torch.set_num_threads(cpu_threads(os.cpu_count() or 1, config.tp))
+        # the cores this process may run on (a container's cpuset), not the host's
+        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+        torch.set_num_threads(cpu_threads(num_cores, config.tp))
     try:
         init_distributed(ParallelConfig(rank, config.tp, config.dist_init_method, config.runner.device))
         runner = ModelRunner.load(config.runner)
