@@ -53,8 +53,9 @@ def cpu_threads(num_cores: int, tp: int) -> int:
     engine and gRPC front-end run beside the data plane; a data plane started alone gives one
     up too), shared by the ranks. OpenMP threads spin at their
     barriers, so one that loses its core stalls the others: on 2 cores, 128 streams of 500
-    tokens (bench/controlplane_cpu.py) took 30 s with 2 threads and 34 s with 1, but with two
-    other busy processes on the machine over 140 s with 2 threads and 35 s with 1."""
+    tokens (bench/controlplane_cpu.py) took 30 and 36 s (two runs) with 2 threads and 34 s with
+    1, but with two other busy processes on the machine over 140 s with 2 threads and 35 s with
+    1."""
     return max(1, (num_cores - 1) // tp)
 
 
