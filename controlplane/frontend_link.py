@@ -2,8 +2,9 @@
 a private ipc:// socket. Each forwarded call runs the GenerationServicer method it names, as a
 gRPC server would, with a context whose `abort` ends the call with that status; its responses go
 back serialized. Everything that one turn of the loop produced for a front-end leaves as one
-message (protos/frontend.proto), so a step's tokens for hundreds of streams cost the engine
-one send, and the gRPC writes, one per stream, run in the front-end's process on another core.
+message (protos/frontend.proto): the engine wakes 16 streams a turn (engine._RELEASE_BATCH), so
+a step of 256 streams costs it 16 sends instead of 256 gRPC writes, which run, one per stream,
+in the front-end's process on another core.
 """
 
 import asyncio
