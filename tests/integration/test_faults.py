@@ -118,6 +118,9 @@ def test_a_killed_frontend_ends_its_streams_frees_their_blocks_and_is_restarted(
         prompts = [[i + 1, 2, 3] for i in range(100)]
         flight = InFlight(server.client, prompts=prompts, max_tokens=None, min_chunks=0)
         assert flight.started.wait(60)
+        # the kill comes once most calls have reached the engine (the first token can come
+        # back before the client threads have sent them all)
+        assert harness.wait_until(lambda: server.client.load().num_waiting >= 50, 30)
         killed = frontend_pid(server)
         os.kill(killed, signal.SIGKILL)
         assert harness.wait_until(lambda: not harness.alive(killed), 10)
