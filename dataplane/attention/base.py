@@ -13,14 +13,13 @@ class AttentionBackend(Protocol):
     # allocates its cache (and reports block_size to the control plane) with this value.
     block_size: int | None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
-                scale: float) -> torch.Tensor:
-        """Store the new k/v at `ctx.slot_mapping`, then attend causally over each request's
-        cached and new tokens. k and v are None when the caller has stored them already (the
-        fused q/k norm + RoPE + store kernel).
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ctx: ForwardContext, scale: float) -> torch.Tensor:
+        """Attend causally over each request's cached tokens, the step's new ones included:
+        their k/v are already in the cache (the attention layer stores them at
+        `ctx.slot_mapping` first).
 
-        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+        q: [num_tokens, num_heads, head_dim];
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
         Returns [num_tokens, num_heads, head_dim].
         """

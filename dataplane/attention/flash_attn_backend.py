@@ -1,7 +1,7 @@
 """FlashAttention over the paged cache, when it is importable: FlashAttention-4
 (`flash_attn.cute`, CuTe DSL, Hopper/Blackwell) first, else the FlashAttention 2.x API.
 
-New K/V are stored with our Triton kernel; FlashAttention reads everything from the cache.
+The attention layer stores new K/V first; FlashAttention reads everything from the cache.
 
 Block sizes (exposed as `block_size`; the data plane must allocate the cache with it):
 - FA4 on SM90 loads pages with TMA when a page is one key tile (128 tokens at head_dim 128) and
@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from dataplane.forward_context import ForwardContext
-from dataplane.kernels.store_kv import store_kv
 
 
 class FlashAttention4:
@@ -26,11 +25,8 @@ class FlashAttention4:
     def __init__(self, varlen_fn: Callable) -> None:
         self.varlen_fn = varlen_fn  # flash_attn.cute.flash_attn_varlen_func
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
-                scale: float) -> torch.Tensor:
-        if k is not None:
-            store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ctx: ForwardContext, scale: float) -> torch.Tensor:
         # Causal masks align to the end of each sequence: query i of a request sees keys up to
         # seqused_k - q_len + i, which is our position convention.
         out, _ = self.varlen_fn(q, k_cache, v_cache, cu_seqlens_q=ctx.query_start_loc,
@@ -48,11 +44,8 @@ class FlashAttention2:
         self.varlen_fn = varlen_fn  # flash_attn.flash_attn_varlen_func
         self.kvcache_fn = kvcache_fn  # flash_attn.flash_attn_with_kvcache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
-                scale: float) -> torch.Tensor:
-        if k is not None:
-            store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ctx: ForwardContext, scale: float) -> torch.Tensor:
         if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
             out = self.kvcache_fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.seq_lens,
                                   block_table=ctx.block_tables, softmax_scale=scale, causal=True)

@@ -28,11 +28,8 @@ class TorchAttention:
     name = "torch"
     block_size: int | None = None  # any
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
-                scale: float) -> torch.Tensor:
-        if k is not None:
-            store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ctx: ForwardContext, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         starts = ctx.query_start_loc_host
         for i, seq_len in enumerate(ctx.seq_lens_host):

@@ -1,6 +1,5 @@
-"""Our own Triton kernels: store K/V at the slot mapping, then split-KV decode attention when
-every request brings one token, else the varlen paged prefill kernel (which also takes the
-single-token rows of a mixed batch).
+"""Our own Triton kernels: split-KV decode attention when every request brings one token, else
+the varlen paged prefill kernel (which also takes the single-token rows of a mixed batch).
 
 Decode is CUDA-graph capturable: the split count is a function of the batch size and the
 context's max_seq_len, both fixed for a captured graph (capture with the largest length the
@@ -12,7 +11,6 @@ import torch
 from dataplane.forward_context import ForwardContext
 from dataplane.kernels.paged_decode_attention import paged_decode_attention
 from dataplane.kernels.paged_prefill_attention import paged_prefill_attention
-from dataplane.kernels.store_kv import store_kv
 
 
 class TritonAttention:
@@ -24,11 +22,8 @@ class TritonAttention:
         size and ctx.max_seq_len."""
         self.num_splits = num_splits
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
-                scale: float) -> torch.Tensor:
-        if k is not None:
-            store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ctx: ForwardContext, scale: float) -> torch.Tensor:
         if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
             return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
                                           scale, num_splits=self.num_splits,

@@ -24,9 +24,16 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k and v at the step's slots (our Triton kernel on CUDA, torch elsewhere), then
+        attend over the cache."""
         assert self.backend is not None, "bind_kv_cache() before the first forward"
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_forward_context(),
-                                    self.scale)
+        ctx = get_forward_context()
+        if q.is_cuda:
+            from dataplane.kernels.store_kv import store_kv
+        else:
+            from dataplane.attention.torch_backend import store_kv
+        store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        return self.backend.forward(q, self.k_cache, self.v_cache, ctx, self.scale)
 
     def forward_qk_norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
@@ -38,4 +45,4 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         q = qk_norm_rope_store(positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps,
                                cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping)
-        return self.backend.forward(q, None, None, self.k_cache, self.v_cache, ctx, self.scale)
+        return self.backend.forward(q, self.k_cache, self.v_cache, ctx, self.scale)

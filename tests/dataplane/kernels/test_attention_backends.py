@@ -1,5 +1,6 @@
-"""The Triton and FlashAttention backends against the torch reference backend: the same cache
-after the store, the same attention output, on decode-only and mixed batches."""
+"""The Triton and FlashAttention backends against the torch reference backend: the same
+attention output over the same cache (which the Triton and torch stores fill alike), on
+decode-only and mixed batches."""
 
 import math
 
@@ -11,8 +12,10 @@ pytest.importorskip("triton")
 from dataplane.attention import make_backend  # noqa: E402
 from dataplane.attention.flash_attn_backend import import_flash_attn  # noqa: E402
 from dataplane.attention.torch_backend import TorchAttention  # noqa: E402
+from dataplane.attention.torch_backend import store_kv as torch_store_kv  # noqa: E402
 from dataplane.attention.triton_backend import TritonAttention  # noqa: E402
 from dataplane.forward_context import ForwardContext  # noqa: E402
+from dataplane.kernels.store_kv import store_kv  # noqa: E402
 from tests.dataplane.kernels.helpers import (  # noqa: E402
     DTYPES, KERNEL_MARKS, assert_close, cumsum0, on_gpu, randn, skip_unsupported)
 
@@ -63,9 +66,11 @@ def compare_with_torch(backend, lens, dtype, block_size, device, gen,
     qkv = randn(num_tokens, 2 * num_kv_heads * head_dim, dtype=dtype, device=device, gen=gen)
     k, v = qkv.view(num_tokens, 2, num_kv_heads, head_dim).unbind(1)  # strided views
     scale = head_dim ** -0.5
-    out = backend.forward(q, k, v, kv[0, 1], kv[1, 1], ctx, scale)
-    expected = TorchAttention().forward(q, k, v, kv_ref[0, 1], kv_ref[1, 1], ctx, scale)
+    store_kv(k, v, kv[0, 1], kv[1, 1], ctx.slot_mapping)  # the layer's store on CUDA
+    torch_store_kv(k, v, kv_ref[0, 1], kv_ref[1, 1], ctx.slot_mapping)  # and elsewhere
     assert torch.equal(kv, kv_ref), "the stores differ"
+    out = backend.forward(q, kv[0, 1], kv[1, 1], ctx, scale)
+    expected = TorchAttention().forward(q, kv_ref[0, 1], kv_ref[1, 1], ctx, scale)
     assert_close(out, expected, dtype)
 
 
