@@ -1,6 +1,6 @@
 """RMSNorm in float32, optionally fused with the residual add that precedes it.
 
-Memory-bound and on the decode path twice per layer (plus q/k norms): the torch version runs ~7
+Memory-bound and on the decode path twice per layer: the torch version runs ~7
 kernels that each read and write the activations; this is one pass. Rounding follows the torch
 code of dataplane/layers/layernorm.py: the sum x + residual is rounded to the activation dtype
 (that is the new residual), the normalized value is rounded before the weight multiply.
@@ -11,19 +11,16 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["num_rows", "rows_per_outer", "num_cols"])
+@triton.jit(do_not_specialize=["num_rows", "num_cols"])
 def _rms_norm_kernel(
     x_ptr, residual_ptr, out_ptr, weight_ptr,
-    num_rows, rows_per_outer, num_cols, eps,
-    stride_x_outer, stride_x_inner, stride_res_row, stride_out_outer, stride_out_inner,
+    num_rows, num_cols, eps, stride_x_row, stride_res_row, stride_out_row,
     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
-    outer = (rows // rows_per_outer).to(tl.int64)
-    inner = rows % rows_per_outer
-    x_offs = (outer * stride_x_outer + inner * stride_x_inner)[:, None] + cols[None, :]
+    x_offs = (rows.to(tl.int64) * stride_x_row)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res_offs = (rows.to(tl.int64) * stride_res_row)[:, None] + cols[None, :]
@@ -34,28 +31,23 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(x * x, 1) / num_cols + eps)  # [BLOCK_ROWS]
     normed = (x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
-    out_offs = (outer * stride_out_outer + inner * stride_out_inner)[:, None] + cols[None, :]
+    out_offs = (rows.to(tl.int64) * stride_out_row)[:, None] + cols[None, :]
     tl.store(out_ptr + out_offs, (normed * weight[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
             weight: torch.Tensor, eps: float) -> None:
-    num_cols = x.shape[-1]
+    num_rows, num_cols = x.shape
     assert weight.shape == (num_cols,) and weight.is_contiguous()
     assert x.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == x.shape
-    assert x.dim() in (2, 3), "x: [num_tokens, hidden] or [num_tokens, num_heads, head_dim]"
-    num_rows = x.numel() // num_cols
     if num_rows == 0:
         return
-    x3, out3 = (x, out) if x.dim() == 3 else (x.unsqueeze(1), out.unsqueeze(1))
     block_cols = triton.next_power_of_2(num_cols)
-    block_rows = max(1, 1024 // block_cols)  # a row (or 8 head rows) a program: a decode batch
-    # of 256 tokens still spreads over every SM
+    block_rows = max(1, 1024 // block_cols)  # a row a program at hidden sizes >= 1024: a
+    # decode batch of 256 tokens still spreads over every SM
     _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
-        x, residual if residual is not None else x, out, weight,
-        num_rows, x3.shape[1], num_cols, eps,
-        x3.stride(0), x3.stride(1), residual.stride(0) if residual is not None else 0,
-        out3.stride(0), out3.stride(1),
+        x, residual if residual is not None else x, out, weight, num_rows, num_cols, eps,
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
         num_warps=min(16, max(4, block_rows * block_cols // 512)),
     )
@@ -63,8 +55,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [num_tokens, hidden] or [num_tokens, num_heads, head_dim] (rows may be strided, e.g.
-    the q or k part of the fused QKV output). Returns out, by default a new contiguous tensor."""
+    """x: [num_tokens, hidden] (rows may be strided). Returns out, by default a new contiguous
+    tensor."""
+    assert x.dim() == 2, "x: [num_tokens, hidden]"
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     assert out.dtype == x.dtype
