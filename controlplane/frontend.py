@@ -56,10 +56,11 @@ class Frontend:
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Queue] = {}
         self._last_heard = 0.0
+        self._health: tuple[bool, bool] | None = None  # (serving, live) as last set
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> int:
-        set_health(self.health, serving=False, live=False)
+        self._set_health(serving=False, live=False)
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # no limit: over one, messages would be dropped
@@ -156,7 +157,13 @@ class Frontend:
                     replies.put_nowait(reply)
             if message.HasField("state"):
                 self._last_heard = time.monotonic()
-                set_health(self.health, serving=message.state.serving, live=True)
+                self._set_health(serving=message.state.serving, live=True)
+
+    def _set_health(self, serving: bool, live: bool) -> None:
+        """Only a change is set: every set sends a message to every Health.Watch client."""
+        if (serving, live) != self._health:
+            self._health = (serving, live)
+            set_health(self.health, serving=serving, live=live)
 
     async def _keep_in_touch(self) -> None:
         """Hello every second (the engine's sign of this front-end's life); not live while the
@@ -166,7 +173,7 @@ class Frontend:
             await self._send(hello)
             await asyncio.sleep(1.0)
             if time.monotonic() - self._last_heard > _ENGINE_SILENT_S:
-                set_health(self.health, serving=False, live=False)
+                self._set_health(serving=False, live=False)
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
