@@ -12,12 +12,13 @@ that fails (compile error, out of shared memory) is recorded and skipped.
 
 import argparse
 import json
-import subprocess
 import time
 
 import torch
 import triton
 from triton.testing import do_bench
+
+import run_info
 
 from dataplane.kernels.fused_moe import (GemmTiles, MoeConfig, _launch_gemms, align, config_for,
                                          fused_moe)
@@ -121,14 +122,6 @@ def best_of(results: dict) -> dict:
     return {group: {"tiles": key, "ms": ms} for group, (key, ms) in best.items()}
 
 
-def commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results/fused_moe.json")
@@ -142,7 +135,7 @@ def main() -> None:
     parser.add_argument("--tune-budget-s", type=float, default=300)
     args = parser.parse_args()
     shape = dict(hidden=args.hidden, inter=args.inter, num_experts=args.experts, top_k=args.top_k)
-    report = {"device": torch.cuda.get_device_name(), "commit": commit(), "shape": shape,
+    report = {"device": torch.cuda.get_device_name(), "commit": run_info.commit(), "shape": shape,
               "dtype": "bfloat16", "torch": torch.__version__, "triton": triton.__version__,
               "rows": [], "tune": {}}
     print(f"{'tokens':>6} {'fused ms':>9} {'ref ms':>8} {'align':>7} {'gemms':>7} {'speedup':>7} "

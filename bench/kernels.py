@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from functools import partial
@@ -25,6 +24,8 @@ from functools import partial
 import torch
 import triton
 from triton.testing import do_bench
+
+import run_info
 
 from dataplane.kernels.paged_decode_attention import (paged_decode_attention,
                                                       paged_decode_attention_ref, pick_num_splits)
@@ -321,7 +322,7 @@ def main() -> None:
     fa4, fa4_status = (None, "skipped") if args.no_fa4 else load_fa4()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; "
           f"FA4 {fa4_status}", flush=True)
-    report = dict(device=torch.cuda.get_device_name(), commit=git_commit(),
+    report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
                   torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE),
                   block_size=BLOCK, copy_bandwidth_gbps=copy_bw / 1e9, fa4=fa4_status)
     results: list[dict] = []
@@ -331,11 +332,6 @@ def main() -> None:
         with open(args.out, "w") as f:  # a run cut short by a timeout keeps what it measured
             json.dump(report, f, indent=1)
     print(json.dumps(report["summary"]), f"done in {report['seconds']:.0f} s -> {args.out}")
-
-
-def git_commit() -> str:
-    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ from throughput import HostTimes, shapes  # noqa: E402
 from dataplane import checkpoints  # noqa: E402
 from splitserve.llm import LLM  # noqa: E402
 
+BATCHED_TOKENS = 16384  # a step's token budget: the prefill steps to skip follow from it
+STEPS = 20  # decode steps profiled
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -35,15 +38,15 @@ def main() -> None:
     model_dir = checkpoints.write_config_only(pathlib.Path(tempfile.mkdtemp()) / args.model,
                                               shapes(args.model))
     llm = LLM(model_dir, device="cuda", load_format="dummy", max_num_seqs=256,
-              max_num_batched_tokens=16384, max_model_len=4096)
+              max_num_batched_tokens=BATCHED_TOKENS, max_model_len=4096)
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.prompt_len)] for _ in range(args.rows)]
     llm.generate(prompts, max_tokens=40, temperature=0.6, ignore_eos=True)
     host = HostTimes(llm)
     prompts = [[rng.randint(0, 10000) for _ in range(args.prompt_len)] for _ in range(args.rows)]
-    # Profile decode steps only: the prompts' prefill steps (of 16384 tokens) and 4 more go by.
-    wait = -(-args.rows * args.prompt_len // 16384) + 4
-    schedule = torch.profiler.schedule(wait=wait, warmup=2, active=20, repeat=1)
+    # Profile decode steps only: the prompts' prefill steps and 4 more go by.
+    wait = -(-args.rows * args.prompt_len // BATCHED_TOKENS) + 4
+    schedule = torch.profiler.schedule(wait=wait, warmup=2, active=STEPS, repeat=1)
     marks: list[float] = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA],
@@ -57,12 +60,11 @@ def main() -> None:
             return pending
         llm.runner.submit = submit
         llm.generate(prompts, max_tokens=40, temperature=0.6, ignore_eos=True)
-    steps = 20
-    wall = marks[wait + 2 + steps - 1] - marks[wait + 2 - 1]
+    wall = marks[wait + 2 + STEPS - 1] - marks[wait + 2 - 1]
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events)
-    print(f"{steps} decode steps of {args.rows} rows: {1e3 * wall / steps:.2f} ms/step wall; device "
-          f"kernels {device_us / 1e3 / steps:.2f} ms/step ({device_us / 1e6 / wall:.0%})")
+    print(f"{STEPS} decode STEPS of {args.rows} rows: {1e3 * wall / STEPS:.2f} ms/step wall; device "
+          f"kernels {device_us / 1e3 / STEPS:.2f} ms/step ({device_us / 1e6 / wall:.0%})")
     print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     print("host:", host.report())

@@ -21,7 +21,6 @@ import json
 import os
 import pathlib
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import run_info  # noqa: E402
 from served import serve  # noqa: E402
 from splitserve.client import AsyncClient  # noqa: E402
 
@@ -204,9 +204,7 @@ def main() -> None:
         workdir = pathlib.Path(tempfile.mkdtemp())
         with serve(serve_args(args, workdir), workdir / "serve.log") as address:
             measured = benchmark(address, args)
-    commit = os.environ.get("SPLITSERVE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-        text=True).stdout.strip() or "unknown"
+    commit = run_info.commit()
     config = vars(args) | {"out": str(args.out), "request_rates": [
         r if r != float("inf") else "inf" for r in args.request_rates]}
     result = {"benchmark": "serving", "device": device_name(args.device), "commit": commit,

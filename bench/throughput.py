@@ -19,11 +19,9 @@ step by batch size.
 import argparse
 import asyncio
 import json
-import os
 import pathlib
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from dataplane import checkpoints  # noqa: E402
 from dataplane.models import model_class  # noqa: E402
+import run_info  # noqa: E402
 from served import figures, serve  # noqa: E402
 
 
@@ -138,10 +137,11 @@ class DeviceTimeline:
     """When the device works and when it waits, in the in-process run: a timing event before
     and after each step's device work (it fires when the device gets there), so a step's device
     time excludes the queue ahead of it, and the time from one step's end to the next one's
-    start is the device waiting for the host. Read once, after the run."""
+    start is the device waiting for the host. Read once, after the run (the steps' sizes too:
+    the timed loop only records the events)."""
 
     def __init__(self, llm) -> None:
-        self.steps: list[tuple] = []  # (start event, end event, rows, tokens, context tokens)
+        self.steps: list[tuple] = []  # (start event, end event, the Step message)
         runner = llm.runner
         inner = runner.submit
 
@@ -151,10 +151,7 @@ class DeviceTimeline:
             pending = inner(step)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            scheduled = np.frombuffer(step.num_scheduled_tokens, dtype=np.int32)
-            computed = np.frombuffer(step.num_computed_tokens, dtype=np.int32)
-            self.steps.append((start, end, len(scheduled), int(scheduled.sum()),
-                               int(computed.sum() + scheduled.sum())))
+            self.steps.append((start, end, step))
             return pending
         runner.submit = submit
 
@@ -165,7 +162,11 @@ class DeviceTimeline:
         busy = [s[0].elapsed_time(s[1]) / 1e3 for s in self.steps]
         gaps = [0.0] + [a[1].elapsed_time(b[0]) / 1e3 for a, b in zip(self.steps, self.steps[1:])]
         buckets: dict[str, list] = {}
-        for (_, _, rows, tokens, context), b, g in zip(self.steps, busy, gaps):
+        for (_, _, step), b, g in zip(self.steps, busy, gaps):
+            scheduled = np.frombuffer(step.num_scheduled_tokens, dtype=np.int32)
+            computed = np.frombuffer(step.num_computed_tokens, dtype=np.int32)
+            rows, tokens = len(scheduled), int(scheduled.sum())
+            context = int(computed.sum()) + tokens
             kind = "mixed" if tokens > rows else f"decode {min(256, -(-rows // 32) * 32)}"
             buckets.setdefault(kind, []).append((b, g, context))
         return {"device_busy_s": sum(busy), "device_idle_s": sum(gaps),
@@ -275,10 +276,7 @@ def main() -> None:
     prompts, outputs = workload(args.num_requests, args.seed)
     bandwidth = copy_bandwidth()
     ideal = roofline(config, prompts, outputs, bandwidth, args.max_num_seqs)
-    # The device machine gets the working tree without .git: pass the commit in the environment.
-    commit = os.environ.get("SPLITSERVE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-        text=True).stdout.strip() or "unknown"
+    commit = run_info.commit()
     results = {}
     for mode in args.modes:
         run = run_inprocess if mode == "inprocess" else run_split
