@@ -63,8 +63,8 @@ def main() -> None:
     wall = marks[wait + 2 + STEPS - 1] - marks[wait + 2 - 1]
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events)
-    print(f"{STEPS} decode STEPS of {args.rows} rows: {1e3 * wall / STEPS:.2f} ms/step wall; device "
-          f"kernels {device_us / 1e3 / STEPS:.2f} ms/step ({device_us / 1e6 / wall:.0%})")
+    print(f"{STEPS} decode steps of {args.rows} rows: {1e3 * wall / STEPS:.2f} ms/step wall; "
+          f"device kernels {device_us / 1e3 / STEPS:.2f} ms/step ({device_us / 1e6 / wall:.0%})")
     print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     print("host:", host.report())
