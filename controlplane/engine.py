@@ -118,7 +118,7 @@ class Engine:
             raise NotAccepting("draining" if self.draining else "no data plane is attached")
         assert request.request_id not in self.streams, "request ids are unique among live requests"
         stream = RequestStream(request, self.tokenizer.detokenizer(request.sampling.stop),
-                               self.config.stream_interval, self.releases)
+                               self.releases, self.config.stream_interval)
         self.streams[request.request_id] = stream
         self._idle.clear()
         self.scheduler.add(request)

@@ -63,12 +63,11 @@ class RequestStream:
     takes everything added since it last looked as one chunk, so a consumer that fell behind (its
     last message still being written, or its stream still queued in `releases`) sends fewer,
     larger messages instead of falling further behind. With `interval` > 1 it is woken only once
-    that many tokens wait (or the request ended). Without `releases` a waiting consumer is woken
-    as soon as its tokens are there. Nothing is kept per token but the token, its text and its
-    logprobs."""
+    that many tokens wait (or the request ended). Nothing is kept per token but the token, its
+    text and its logprobs."""
 
     def __init__(self, request: Request, detokenizer: IncrementalDetokenizer,
-                 interval: int = 1, releases: Releases | None = None) -> None:
+                 releases: Releases, interval: int = 1) -> None:
         self.request = request
         self.detokenizer = detokenizer
         self.interval = interval
@@ -87,10 +86,7 @@ class RequestStream:
         if logprobs is not None:
             self._logprobs.append(logprobs)
         if len(self._token_ids) >= self.interval and self._waiter is not None:
-            if self.releases is not None:
-                self.releases.queue(self)
-            else:
-                self.wake()
+            self.releases.queue(self)
 
     def end(self, last: Chunk) -> None:
         """The request ended: `last` carries the reason and usage (and no tokens)."""

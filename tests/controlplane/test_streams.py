@@ -15,9 +15,8 @@ TOKENIZER = Tokenizer(build_tokenizer(320), 320)
 pytestmark = pytest.mark.timeout(30)
 
 
-def stream(request_id: str, releases: Releases | None) -> RequestStream:
-    return RequestStream(make_request(request_id, [1, 2]), TOKENIZER.detokenizer(()),
-                         releases=releases)
+def stream(request_id: str, releases: Releases) -> RequestStream:
+    return RequestStream(make_request(request_id, [1, 2]), TOKENIZER.detokenizer(()), releases)
 
 
 async def turns(n: int = 5) -> None:
@@ -56,15 +55,3 @@ def test_a_waiting_consumer_gets_its_tokens_when_released_oldest_first():
         return got
 
     assert asyncio.run(main()) == {"a": [[5, 6], [9]], "b": [[7, 8], []]}
-
-
-def test_without_a_queue_a_waiting_consumer_wakes_at_once():
-    async def main():
-        s = stream("a", None)
-        chunks = aiter(s)
-        first = asyncio.create_task(anext(chunks))
-        await turns()
-        s.add(5, "", None)
-        return (await asyncio.wait_for(first, 5)).token_ids
-
-    assert asyncio.run(main()) == [5]
