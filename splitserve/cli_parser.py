@@ -76,6 +76,11 @@ def _add_grpc_security(p: argparse.ArgumentParser) -> None:
                    help="mutual TLS: clients must present a certificate signed by this CA")
 
 
+def _add_supervised(p: argparse.ArgumentParser) -> None:
+    """A command `serve` runs as a supervised child: the Supervisor adds --parent-pid."""
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+
+
 def _add_dataplane(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default %(default)s)")
@@ -155,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--controlplane-grace", type=float, default=30.0, metavar="SECONDS",
                     help="exit when no control plane was heard for this long after one was "
                          "(default %(default)s)")
-    dp.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    _add_supervised(dp)
     _add_logging(dp)
 
     fe = sub.add_parser("frontend", help="(internal) a gRPC front-end of a control plane")
@@ -164,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     fe.add_argument("--port", type=int, required=True)
     fe.add_argument("--max-concurrent-rpcs", type=int, default=None)
     _add_grpc_security(fe)
-    fe.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    _add_supervised(fe)
     _add_logging(fe)
 
     gen = sub.add_parser("generate", help="stream a completion from a running server",
