@@ -16,7 +16,6 @@ Health: readiness ("" and the Generation service) is what the engine last report
 import asyncio
 import itertools
 import logging
-import pathlib
 import signal
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import zmq
 import zmq.asyncio
 from grpc_health.v1 import health
 
-from controlplane.grpc_server import SERVICE, set_health, start_server
+from controlplane.grpc_server import SERVICE, GrpcServerConfig, set_health, start_server
 from protos import frontend_pb2, generation_pb2
 
 log = logging.getLogger("splitserve.frontend")
@@ -37,13 +36,7 @@ _ENGINE_SILENT_S = 5.0  # the engine reports every second; silent this long: not
 @dataclass(frozen=True)
 class FrontendConfig:
     engine_address: str  # the engine process's ROUTER (ipc://)
-    host: str = "127.0.0.1"
-    port: int = 50051
-    max_concurrent_rpcs: int | None = None
-    api_key_file: pathlib.Path | None = None
-    tls_cert: pathlib.Path | None = None
-    tls_key: pathlib.Path | None = None
-    tls_client_ca: pathlib.Path | None = None
+    grpc: GrpcServerConfig
 
 
 class Frontend:
@@ -66,15 +59,12 @@ class Frontend:
         self._sock.setsockopt(zmq.SNDHWM, 0)  # no limit: over one, messages would be dropped
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(self.config.engine_address)
-        c = self.config
         self.server, self.port = await start_server(
             lambda server: server.add_generic_rpc_handlers((self._generation_handler(),)),
-            self.health, host=c.host, port=c.port, max_concurrent_rpcs=c.max_concurrent_rpcs,
-            api_key_file=c.api_key_file, tls_cert=c.tls_cert, tls_key=c.tls_key,
-            tls_client_ca=c.tls_client_ca)
+            self.health, self.config.grpc)
         self._tasks = [asyncio.create_task(self._reader(), name="engine-reader"),
                        asyncio.create_task(self._keep_in_touch(), name="engine-watch")]
-        log.info("front-end serving gRPC on %s:%d", c.host, self.port)
+        log.info("front-end serving gRPC on %s:%d", self.config.grpc.host, self.port)
         return self.port
 
     async def stop(self, grace_s: float = 1.0) -> None:

@@ -4,6 +4,7 @@ the engine's process serves gRPC itself (--frontends 0) or front-end processes d
 
 import pathlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,6 +20,25 @@ SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 LIVENESS_SERVICE = "liveness"
 
 
+@dataclass(frozen=True)
+class GrpcServerConfig:
+    """Where and how a gRPC server listens: the engine process's own (--frontends 0) or each
+    front-end's."""
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: a free one
+    max_concurrent_rpcs: int | None = None  # gRPC's own bound on RPCs in progress
+    api_key_file: pathlib.Path | None = None
+    tls_cert: pathlib.Path | None = None
+    tls_key: pathlib.Path | None = None
+    tls_client_ca: pathlib.Path | None = None  # set: clients must present a certificate it signed
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+
+
 def set_health(servicer: health.HealthServicer, serving: bool, live: bool) -> None:
     status = lambda ok: health_pb2.HealthCheckResponse.SERVING if ok else \
         health_pb2.HealthCheckResponse.NOT_SERVING  # noqa: E731
@@ -28,23 +48,21 @@ def set_health(servicer: health.HealthServicer, serving: bool, live: bool) -> No
 
 
 async def start_server(add_handlers: Callable[[grpc.aio.Server], None],
-                       health_servicer: health.HealthServicer, *, host: str, port: int,
-                       max_concurrent_rpcs: int | None, api_key_file: pathlib.Path | None,
-                       tls_cert: pathlib.Path | None, tls_key: pathlib.Path | None,
-                       tls_client_ca: pathlib.Path | None) -> tuple[grpc.aio.Server, int]:
+                       health_servicer: health.HealthServicer, config: GrpcServerConfig
+                       ) -> tuple[grpc.aio.Server, int]:
     """A started server with the Generation handlers `add_handlers` puts on it, health and
     reflection; returns it and the port it bound (port 0: a free one)."""
     interceptors = []
-    if api_key_file is not None:
-        interceptors.append(ApiKeyInterceptor(read_api_keys(api_key_file)))
+    if config.api_key_file is not None:
+        interceptors.append(ApiKeyInterceptor(read_api_keys(config.api_key_file)))
     server = grpc.aio.server(interceptors=interceptors,
-                             maximum_concurrent_rpcs=max_concurrent_rpcs)
+                             maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     add_handlers(server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{host}:{port}"
-    credentials = _credentials(tls_cert, tls_key, tls_client_ca)
+    address = f"{config.host}:{config.port}"
+    credentials = _credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     port = server.add_secure_port(address, credentials) if credentials else \
         server.add_insecure_port(address)
     await server.start()

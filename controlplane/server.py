@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health
@@ -22,7 +22,7 @@ from controlplane.api_server import GenerationServicer
 from controlplane.dataplane_link import DataPlaneLink
 from controlplane.engine import Engine, EngineConfig
 from controlplane.frontend_link import FrontendLink
-from controlplane.grpc_server import set_health, start_server
+from controlplane.grpc_server import GrpcServerConfig, set_health, start_server
 from controlplane.scheduler import SchedulerConfig
 from controlplane.tokenizer import Tokenizer
 from protos import generation_pb2_grpc, link_pb2
@@ -36,8 +36,8 @@ FRONTEND_START_TIMEOUT_S = 60.0
 class ControlPlaneConfig:
     model_dir: pathlib.Path
     dataplane_address: str  # where the control plane binds its ZeroMQ ROUTER
-    host: str = "127.0.0.1"
-    port: int = 50051
+    # where clients connect (its max_concurrent_rpcs unset: the server derives it)
+    grpc: GrpcServerConfig = field(default_factory=GrpcServerConfig)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
@@ -48,17 +48,9 @@ class ControlPlaneConfig:
     reattach_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
     link: LinkConfig = field(default_factory=LinkConfig)
-    api_key_file: pathlib.Path | None = None
-    tls_cert: pathlib.Path | None = None
-    tls_key: pathlib.Path | None = None
-    tls_client_ca: pathlib.Path | None = None  # set: clients must present a certificate it signed
     num_frontends: int = 1  # gRPC front-end processes; 0: gRPC in this process
 
     def __post_init__(self) -> None:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("--tls-cert and --tls-key go together")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         if self.max_waiting_requests < 0 or self.drain_timeout_s < 0 or self.num_frontends < 0:
             raise ValueError("max_waiting_requests, drain_timeout_s and frontends must be >= 0")
 
@@ -144,17 +136,17 @@ class ControlPlane:
             self.port = await self._start_frontends(servicer)
         else:
             self.port = await self._start_grpc(servicer)
-        log.info("serving gRPC on %s:%d; data planes connect to %s", self.config.host, self.port,
-                 self.config.dataplane_address)
+        log.info("serving gRPC on %s:%d; data planes connect to %s", self.config.grpc.host,
+                 self.port, self.config.dataplane_address)
         return self.port
 
     async def _start_frontends(self, servicer: GenerationServicer) -> int:
         # Every front-end binds the same port (gRPC sets SO_REUSEPORT), so one is chosen here;
         # a port chosen here stays reserved while the server runs (a restarted front-end binds
         # it again later).
-        port = self.config.port
+        port = self.config.grpc.port
         if not port:
-            self._port_reservation = reserve_tcp_port(self.config.host)
+            self._port_reservation = reserve_tcp_port(self.config.grpc.host)
             port = self._port_reservation.getsockname()[1]
         address = private_ipc_address("frontend")
         self.frontend_link = FrontendLink(address, servicer, serving=lambda: self.is_serving)
@@ -173,12 +165,13 @@ class ControlPlane:
 
     def _frontend_argv(self, address: str, port: int) -> list[str]:
         c = self.config
+        g = c.grpc
         per_frontend = -(-c.max_concurrent_rpcs // c.num_frontends)  # gRPC's own bound, shared
-        argv = ["frontend", "--engine-address", address, "--host", c.host, "--port", str(port),
+        argv = ["frontend", "--engine-address", address, "--host", g.host, "--port", str(port),
                 "--max-concurrent-rpcs", str(per_frontend),
                 "--log-level", logging.getLevelName(logging.getLogger().level)]
-        for flag, path in (("--api-key-file", c.api_key_file), ("--tls-cert", c.tls_cert),
-                           ("--tls-key", c.tls_key), ("--tls-client-ca", c.tls_client_ca)):
+        for flag, path in (("--api-key-file", g.api_key_file), ("--tls-cert", g.tls_cert),
+                           ("--tls-key", g.tls_key), ("--tls-client-ca", g.tls_client_ca)):
             if path is not None:
                 argv += [flag, str(path)]
         return argv
@@ -187,9 +180,7 @@ class ControlPlane:
         c = self.config
         self.server, port = await start_server(
             lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
-            self.health, host=c.host, port=c.port, max_concurrent_rpcs=c.max_concurrent_rpcs,
-            api_key_file=c.api_key_file, tls_cert=c.tls_cert, tls_key=c.tls_key,
-            tls_client_ca=c.tls_client_ca)
+            self.health, replace(c.grpc, max_concurrent_rpcs=c.max_concurrent_rpcs))
         return port
 
     async def drain_and_stop(self) -> None:

@@ -45,16 +45,22 @@ def _link_config(args: argparse.Namespace, server: bool):
     return LinkConfig(**kwargs)
 
 
+def _grpc_config(args: argparse.Namespace):
+    from controlplane.grpc_server import GrpcServerConfig
+    return GrpcServerConfig(host=args.host, port=args.port,
+                            max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", None),
+                            api_key_file=args.api_key_file, tls_cert=args.tls_cert,
+                            tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+
+
 def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address: str):
     from controlplane.server import ControlPlaneConfig
     return ControlPlaneConfig(
-        model_dir=model, dataplane_address=address, host=args.host, port=args.port,
+        model_dir=model, dataplane_address=address, grpc=_grpc_config(args),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
-        stream_interval=args.stream_interval, api_key_file=args.api_key_file,
-        tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca, reattach_timeout_s=args.reattach_timeout,
+        stream_interval=args.stream_interval, reattach_timeout_s=args.reattach_timeout,
         drain_timeout_s=args.drain_timeout, link=_link_config(args, server=True),
         num_frontends=args.frontends)
 
@@ -86,12 +92,12 @@ async def _serve(args: argparse.Namespace) -> None:
 
     model = args.model or ensure_default_model()
     address = private_ipc_address()
+    config = _controlplane_config(args, model, address)  # invalid flags fail before any child
     supervisor = _spawn(["dataplane", *_dataplane_argv(args, model, address)], "data plane")
-    # A data plane the control plane gave up on (hung, frozen) is killed and started again.
-    control_plane = ControlPlane(_controlplane_config(args, model, address),
-                                 on_dataplane_lost=supervisor.restart, spawn=_spawn)
     try:
-        await run_until_signal(control_plane)
+        # A data plane the control plane gave up on (hung, frozen) is killed and started again.
+        await run_until_signal(ControlPlane(config, on_dataplane_lost=supervisor.restart,
+                                            spawn=_spawn))
     finally:
         logging.getLogger("splitserve.supervisor").info("stopping the data plane")
         await supervisor.stop()
@@ -108,10 +114,8 @@ async def _frontend(args: argparse.Namespace) -> None:
     from controlplane.frontend import FrontendConfig, run_frontend
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
-    await run_frontend(FrontendConfig(
-        engine_address=args.engine_address, host=args.host, port=args.port,
-        max_concurrent_rpcs=args.max_concurrent_rpcs, api_key_file=args.api_key_file,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca))
+    await run_frontend(FrontendConfig(engine_address=args.engine_address,
+                                      grpc=_grpc_config(args)))
 
 
 def _dataplane(args: argparse.Namespace, argv: list[str]) -> None:

@@ -65,3 +65,12 @@ def test_dataplane_touches_its_liveness_file(checkpoints, tmp_path):
         assert beat.stat().st_mtime > first, "the loop touched the file only once"
     finally:
         process.stop()
+
+
+def test_serve_with_invalid_flags_exits_at_once_with_the_reason(checkpoints):
+    """Flags that contradict each other end `serve` before it starts anything (it used to spawn
+    the data plane first and hang on the way out)."""
+    result = splitserve("serve", "--model", str(checkpoints["untied"]), "--port", "0",
+                        "--tls-cert", "cert.pem", timeout=60)
+    assert result.returncode != 0
+    assert "--tls-cert and --tls-key go together" in result.stderr
