@@ -43,8 +43,10 @@ for stage in "$@"; do
     kernels) timeout 150 python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 \
              | tee "$OUT/kernels.log" | tail -40 ;;
     moe) timeout 300 python3 bench/fused_moe.py --out "$OUT/fused_moe.json" 2>&1 | tail -30 ;;
-    profile) timeout 200 python3 bench/profile_decode.py 2>&1 | grep -v Warning | tail -70 ;;
-    profile-32) timeout 200 python3 bench/profile_decode.py --rows 32 --prompt-len 1500 2>&1 | grep -v Warning | tail -70 ;;
+    profile) timeout 200 python3 bench/profile_decode.py 2>&1 | grep -v Warning \
+             | tee "$OUT/profile-256.log" | tail -70 ;;
+    profile-32) timeout 200 python3 bench/profile_decode.py --rows 32 --prompt-len 1500 2>&1 \
+             | grep -v Warning | tee "$OUT/profile-32.log" | tail -70 ;;
     bench-0.6b) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-8b) timeout 240 python3 bench/throughput.py --model qwen3-8b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-30b) timeout 300 python3 bench/throughput.py --model qwen3-30b-a3b --out-dir "$OUT" 2>&1 | tail -20 ;;
