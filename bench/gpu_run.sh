@@ -6,7 +6,10 @@
 #   runner         the runner, serve, TP=2, sampler and elementwise-kernel tests (~175 s before the
 #                  no-compile-after-configure test, which compiles every kernel once more)
 #   kernels        kernel micro-benchmarks          moe   fused MoE tuning
-#   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k
+#   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k;
+#                  profile-prefill: the prompt steps of 256 requests of 562 tokens
+#   tune-decode    decode attention tiles, grid order and split counts on workload-like shapes
+#   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
 #                  bench-0.6b-tp2: split at TP=2 (the two-GPU machine)
@@ -45,6 +48,12 @@ for stage in "$@"; do
     moe) timeout 300 python3 bench/fused_moe.py --out "$OUT/fused_moe.json" 2>&1 | tail -30 ;;
     profile) timeout 200 python3 bench/profile_decode.py 2>&1 | grep -v Warning \
              | tee "$OUT/profile-256.log" | tail -70 ;;
+    profile-prefill) timeout 200 python3 bench/profile_decode.py --phase prefill --prompt-len 562 \
+             2>&1 | grep -v Warning | tee "$OUT/profile-prefill.log" | tail -70 ;;
+    tune-decode) timeout 300 python3 bench/tune_decode.py --out "$OUT/decode_tuning.json" 2>&1 \
+             | tee "$OUT/tune-decode.log" | tail -20 ;;
+    gemm) timeout 200 python3 bench/gemm.py --out "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" \
+             | tail -30 ;;
     profile-32) timeout 200 python3 bench/profile_decode.py --rows 32 --prompt-len 1500 2>&1 \
              | grep -v Warning | tee "$OUT/profile-32.log" | tail -70 ;;
     bench-0.6b) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --out-dir "$OUT" 2>&1 | tail -20 ;;

@@ -1,9 +1,11 @@
 """Where a decode step's time goes, in-process: torch.profiler over 20 decode steps of --rows
 requests (256; --prompt-len 512-token prompts, 40 output tokens; the prefill steps before them
-are not profiled) after an identical warm-up run. Prints the wall and device-kernel time per step, the top device
-kernels, the top host ops and the host-side breakdown.
+are not profiled) after an identical warm-up run; with --phase prefill, over the prompts' steps
+instead. Prints the wall and device-kernel time per step, the top device kernels, the top host
+ops and the host-side breakdown.
 
-    python bench/profile_decode.py [--model qwen3-0.6b] [--rows 32] [--out trace.json]
+    python bench/profile_decode.py [--model qwen3-0.6b] [--rows 32] [--phase prefill]
+                                   [--out trace.json]
 """
 
 import argparse
@@ -14,6 +16,7 @@ import tempfile
 import time
 
 import torch
+from torch.autograd import DeviceType
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -33,6 +36,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--rows", type=int, default=256, help="requests decoding together")
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--phase", choices=["decode", "prefill"], default="decode",
+                        help="prefill: profile the prompts' steps (all but the first) instead")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
     model_dir = checkpoints.write_config_only(pathlib.Path(tempfile.mkdtemp()) / args.model,
@@ -44,9 +49,13 @@ def main() -> None:
     llm.generate(prompts, max_tokens=40, temperature=0.6, ignore_eos=True)
     host = HostTimes(llm)
     prompts = [[rng.randint(0, 10000) for _ in range(args.prompt_len)] for _ in range(args.rows)]
-    # Profile decode steps only: the prompts' prefill steps and 4 more go by.
-    wait = -(-args.rows * args.prompt_len // BATCHED_TOKENS) + 4
-    schedule = torch.profiler.schedule(wait=wait, warmup=2, active=STEPS, repeat=1)
+    prefill_steps = -(-args.rows * args.prompt_len // BATCHED_TOKENS)
+    if args.phase == "decode":  # the prompts' prefill steps and 4 more go by
+        wait, warmup, active = prefill_steps + 4, 2, STEPS
+    else:
+        wait, warmup, active = 0, 1, prefill_steps - 1
+    assert active > 0, "--phase prefill needs prompts that take more than one step"
+    schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
     marks: list[float] = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA],
@@ -60,11 +69,12 @@ def main() -> None:
             return pending
         llm.runner.submit = submit
         llm.generate(prompts, max_tokens=40, temperature=0.6, ignore_eos=True)
-    wall = marks[wait + 2 + STEPS - 1] - marks[wait + 2 - 1]
+    wall = marks[wait + warmup + active - 1] - marks[wait + warmup - 1]
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events)
-    print(f"{STEPS} decode steps of {args.rows} rows: {1e3 * wall / STEPS:.2f} ms/step wall; "
-          f"device kernels {device_us / 1e3 / STEPS:.2f} ms/step ({device_us / 1e6 / wall:.0%})")
+    device_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    print(f"{active} {args.phase} steps of {args.rows} rows: {1e3 * wall / active:.2f} ms/step "
+          f"wall; device kernels {device_us / 1e3 / active:.2f} ms/step "
+          f"({device_us / 1e6 / wall:.0%})")
     print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     print("host:", host.report())

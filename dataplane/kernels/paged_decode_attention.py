@@ -35,9 +35,14 @@ def _decode_kernel(
     stride_bt_req, stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        req = tl.program_id(1)
+    else:
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -125,9 +130,10 @@ def pick_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int,
 
 def _config(dtype: torch.dtype, head_dim: int) -> dict:
     if dtype == torch.float32:  # tests only: exact fp32 dots, tiles small enough for shared memory
-        return dict(BLOCK_N=16, DOT_PRECISION="ieee", num_warps=4, num_stages=2)
+        return dict(BLOCK_N=16, DOT_PRECISION="ieee", num_warps=4, num_stages=2,
+                    HEADS_FIRST=False)
     return dict(BLOCK_N=64, DOT_PRECISION="tf32", num_warps=4,
-                num_stages=3 if head_dim <= 128 else 2)
+                num_stages=3 if head_dim <= 128 else 2, HEADS_FIRST=False)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -164,14 +170,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                device=q.device)
     else:
         part_out = part_lse = out  # unused
-    _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+    config = _config(q.dtype, head_dim) | (config or {})
+    grid = (num_kv_heads, num_reqs, num_splits) if config.get("HEADS_FIRST") else \
+        (num_reqs, num_kv_heads, num_splits)
+    _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * LOG2E, num_heads, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=block_size, IS_SPLIT=num_splits > 1,
-        **(_config(q.dtype, head_dim) | (config or {})),
+        PAGE_SIZE=block_size, IS_SPLIT=num_splits > 1, **config,
     )
     if num_splits > 1:
         _combine_kernel[(num_reqs, num_heads)](
