@@ -1,7 +1,8 @@
 """Decode attention on the shapes workload A's decode steps see (DESIGN.md): batches of 8 to 256
 requests whose contexts differ (uniform in a range), not the equal lengths of kernels.py. For
 each shape: the default launch (the split count a CUDA graph captured at --max-model-len picks),
-each tile config in CONFIGS in both grid orders, then every split count with the best config.
+each tile config in CONFIGS, then every split count with the best config. (The run in
+bench/results/h200/decode_tuning.json, at a9cdbf6, also tried both grid orders: HEADS_FIRST.)
 
     PYTHONPATH=. python3 bench/tune_decode.py --out decode_tuning.json
 """
@@ -52,8 +53,7 @@ def tune_shape(model: str, rows: int, lo: int, hi: int, max_model_len: int,
     moved = kv_bytes(contexts)
     default_splits = pick_num_splits(rows, NUM_KV_HEADS, max_model_len, p["q"].device)
     default = measure(args, default_splits, {}, moved, copy_bw)
-    tried = [measure(args, default_splits, dict(c, HEADS_FIRST=first), moved, copy_bw)
-             for first in (False, True) for c in CONFIGS]
+    tried = [measure(args, default_splits, c, moved, copy_bw) for c in CONFIGS]
     best = min((r for r in tried if "ms" in r), key=lambda r: r["ms"])
     tried += [measure(args, s, best["config"], moved, copy_bw) for s in SPLITS]
     best = min((r for r in tried if "ms" in r), key=lambda r: r["ms"])
