@@ -11,7 +11,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_cols"])
+# num_cols (the hidden size, one value per model) stays specialized: knowing it divides by 16
+# lets the column mask allow 16-byte loads; unspecialized, every load was 2 bytes and a
+# 16k-token prefill's norm ran at a third of the copy bandwidth (97 us for 128 MB on the H200).
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, residual_ptr, out_ptr, weight_ptr,
     num_rows, num_cols, eps, stride_x_row, stride_res_row, stride_out_row,
