@@ -29,6 +29,10 @@ class ForwardContext:
     max_seq_len: int
     query_start_loc_host: list[int] | None
     seq_lens_host: list[int] | None
+    # The leading requests with one new token each (decodes come first in a step: the scheduler
+    # serves running requests first): a backend may attend for them with its decode kernel and
+    # for the rest with its prefill kernel. 0 where nobody counted them.
+    num_decodes: int = 0
 
     @property
     def num_reqs(self) -> int:

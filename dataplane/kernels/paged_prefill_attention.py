@@ -24,13 +24,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, program, num_reqs, BLOCK_Q: tl.constexpr):
-    """The last request r with query_start_loc[r] // BLOCK_Q + r <= program (increasing in r)."""
+def _find_request(query_start_loc_ptr, program, num_reqs, first_token, BLOCK_Q: tl.constexpr):
+    """The last request r with (query_start_loc[r] - first_token) // BLOCK_Q + r <= program
+    (increasing in r)."""
     lo: tl.int32 = 0
     hi = num_reqs
     while lo + 1 < hi:
         mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        first = (tl.load(query_start_loc_ptr + mid) - first_token) // BLOCK_Q + mid
         lo = tl.where(first <= program, mid, lo)
         hi = tl.where(first <= program, hi, mid)
     return lo
@@ -74,13 +75,16 @@ def _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_p
     return acc, m, l
 
 
-# Not specialized on the request count or the block-table row stride (the longest request's
-# block count in a step): every value would otherwise be one of three variants, and a variant
-# first seen inside a served step compiles there (found on the H200: one such compile per run).
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt_req"])
+# Not specialized on the request count, the first token, the block-table row stride (the
+# longest request's block count in a step) or the alignment of the per-request arrays (slices
+# [d:] of them after d decodes): every value would otherwise be one of two or three variants,
+# and a variant first seen inside a served step compiles there (found on the H200: one such
+# compile per run).
+@triton.jit(do_not_specialize=["num_reqs", "first_token", "stride_bt_req", "block_tables_ptr",
+                               "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    num_reqs, scale_log2e,
+    num_reqs, first_token, scale_log2e,
     stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_bt_req, stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -88,9 +92,10 @@ def _prefill_kernel(
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = _find_request(query_start_loc_ptr, program, num_reqs, BLOCK_Q)
+    req = _find_request(query_start_loc_ptr, program, num_reqs, first_token, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_start -= first_token  # an index into this launch's q and out
     q_tile = program - (q_start // BLOCK_Q + req)
     if q_tile * BLOCK_Q >= q_len:
         return
@@ -146,12 +151,15 @@ def _config(dtype: torch.dtype, head_dim: int, group_p: int, max_query_len: int)
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
-                            out: torch.Tensor | None = None,
-                            config: dict | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, config: dict | None = None,
+                            first_token: int = 0) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] (their k/v already stored); k_cache, v_cache:
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_reqs, max_blocks] int32;
     query_start_loc: [num_reqs + 1] int32; seq_lens: [num_reqs] int32 (cached + new);
     max_query_len: a host bound on the query lengths (picks the tile size; default num_tokens).
+    first_token: the value query_start_loc starts at (on the host), e.g. d for the slice [d:] of
+    a step's offsets whose first d one-token requests are served elsewhere; q and out then are
+    the matching slices [d:] of the step's tokens.
     config: tile settings over the defaults (BLOCK_Q, BLOCK_N, num_warps, num_stages), for
     tuning. Returns out: [num_tokens, num_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
@@ -173,7 +181,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (num_tokens // config["BLOCK_Q"] + num_reqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        num_reqs, scale * LOG2E,
+        num_reqs, first_token, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=block_size, **config,

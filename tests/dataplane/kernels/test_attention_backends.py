@@ -4,6 +4,7 @@ decode-only and mixed batches."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from dataplane.attention.torch_backend import TorchAttention  # noqa: E402
 from dataplane.attention.torch_backend import store_kv as torch_store_kv  # noqa: E402
 from dataplane.attention.triton_backend import TritonAttention  # noqa: E402
 from dataplane.forward_context import ForwardContext  # noqa: E402
+from dataplane.input_batch import leading_ones  # noqa: E402
 from dataplane.kernels.store_kv import store_kv  # noqa: E402
 from tests.dataplane.kernels.helpers import (  # noqa: E402
     DTYPES, KERNEL_MARKS, assert_close, cumsum0, on_gpu, randn, skip_unsupported)
@@ -24,6 +26,9 @@ pytestmark = KERNEL_MARKS
 # (new tokens, cached tokens) per request
 DECODE = [(1, 0), (1, 16), (1, 99), (1, 300), (1, 15)]
 MIXED = [(1, 40), (37, 0), (1, 1), (16, 112), (5, 3), (130, 0), (1, 700)]
+# decodes first, as the scheduler orders a step: the Triton backend sends the first three to its
+# decode kernel (at an odd offset into the step's arrays) and the rest to its prefill kernel
+DECODES_FIRST = [(1, 40), (1, 700), (1, 0), (37, 0), (16, 112), (1, 5), (130, 0)]
 
 
 def make_context(lens: list[tuple[int, int]], block_size: int, device: torch.device,
@@ -50,7 +55,8 @@ def make_context(lens: list[tuple[int, int]], block_size: int, device: torch.dev
         block_tables=tables.to(device),
         logits_indices=torch.tensor(starts[1:], device=device) - 1,
         max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_start_loc_host=starts, seq_lens_host=seq_lens)
+        query_start_loc_host=starts, seq_lens_host=seq_lens,
+        num_decodes=leading_ones(np.array(query_lens)))
     return ctx, num_blocks
 
 
@@ -76,7 +82,8 @@ def compare_with_torch(backend, lens, dtype, block_size, device, gen,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 4])
-@pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
+@pytest.mark.parametrize("lens", [DECODE, MIXED, DECODES_FIRST],
+                         ids=["decode", "mixed", "decodes_first"])
 def test_triton_backend_matches_torch(dtype, block_size, lens, device, gen):
     skip_unsupported(dtype, device)
     compare_with_torch(TritonAttention(), lens, dtype, block_size, device, gen)
@@ -107,7 +114,8 @@ def flash_attn():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
+@pytest.mark.parametrize("lens", [DECODE, MIXED, DECODES_FIRST],
+                         ids=["decode", "mixed", "decodes_first"])
 @pytest.mark.parametrize("num_heads", [16, 32])
 def test_flash_attn_backend_matches_torch(flash_attn, dtype, lens, num_heads, gen):
     device = torch.device("cuda")

@@ -50,6 +50,28 @@ def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, block_siz
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_decodes", [1, 3])
+def test_a_slice_after_leading_decodes(dtype, num_decodes, device, gen):
+    """The requests after the first num_decodes, as the Triton backend launches them in a mixed
+    step: slices [d:] of q, out and the per-request arrays (at unaligned offsets), first_token d."""
+    skip_unsupported(dtype, device)
+    query_lens = [1] * num_decodes + [37, 1, 70, 16]
+    cached_lens = [40, 0, 9][:num_decodes] + [0, 5, 3, 112]
+    seq_lens = [q + c for q, c in zip(query_lens, cached_lens)]
+    cache = make_paged_cache(seq_lens, 16, 8, 128, dtype, device, gen)
+    q = randn(sum(query_lens), 16, 128, dtype=dtype, device=device, gen=gen)
+    query_start_loc, lens = int32(cumsum0(query_lens), device), int32(seq_lens, device)
+    d, out = num_decodes, nan_like(q)
+    paged_prefill_attention(q[d:], cache.k_cache, cache.v_cache, cache.block_tables[d:],
+                            query_start_loc[d:], lens[d:], 128 ** -0.5, max_query_len=70,
+                            out=out[d:], first_token=d)
+    expected = paged_prefill_attention_ref(q, cache.k_cache, cache.v_cache, cache.block_tables,
+                                           query_start_loc, lens, 128 ** -0.5)
+    assert_close(out[d:], expected[d:], dtype)
+    assert out[:d].isnan().all(), "wrote outside its slice"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_prefill_head_dims(dtype, head_dim, device, gen):
     skip_unsupported(dtype, device)
