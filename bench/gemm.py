@@ -1,9 +1,8 @@
 """The decode step's linear layers (Qwen3-0.6B / 8B shapes, bf16, no bias) at skinny batch sizes,
 timed the way a decode step runs them: inside a CUDA graph, over COPIES distinct weight copies so
 that the L2 cannot hold them (one graph replay = COPIES layers' worth). Reports microseconds per
-GEMM, the fraction of the copy bandwidth its weights need, and TFLOP/s, under cuBLAS, and the
-fastest dataplane.kernels.skinny_matmul config (the data plane's start-up plan picks between
-them).
+GEMM, the fraction of the copy bandwidth its weights need, and TFLOP/s, under each BLAS library
+torch offers here.
 
     PYTHONPATH=. python3 bench/gemm.py --out gemm.json
 """
@@ -15,9 +14,6 @@ import torch
 
 import run_info
 from kernels import copy_bandwidth
-
-from dataplane.kernels.skinny_matmul import CONFIGS, fits, skinny_matmul
-from dataplane.layers.gemm_plan import graph_us as plan_graph_us
 
 COPIES = 8
 ROWS = [8, 32, 64, 128, 256]
@@ -56,12 +52,8 @@ def measure(name: str, n: int, k: int, m: int, copy_bw: float) -> dict:
             torch.mm(x, w.t(), out=out)
     us = graph_us(layers) / COPIES
     moved = 2 * (n * k + m * (n + k))
-    skinny = {i: plan_graph_us(lambda: [skinny_matmul(x, w, c, out) for w in weights]) / COPIES
-              for i, c in enumerate(CONFIGS) if fits(c, m, n, k, 2)}
-    best = min(skinny, key=skinny.get) if skinny else None
     return dict(layer=name, n=n, k=k, rows=m, us=us,
-                fraction_of_copy_bw=moved / (us * 1e-6) / copy_bw, tflops=2 * m * n * k / us / 1e6,
-                skinny_us=skinny.get(best), skinny_config=CONFIGS[best] if skinny else None)
+                fraction_of_copy_bw=moved / (us * 1e-6) / copy_bw, tflops=2 * m * n * k / us / 1e6)
 
 
 def main() -> None:
@@ -72,7 +64,7 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
                   torch=torch.__version__, copy_bandwidth_gbps=copy_bw / 1e9, results=[])
-    libraries = ["cublas"]  # cuBLASLt was no faster at any of these shapes (gemm.json, a9cdbf6)
+    libraries = ["cublas", "cublaslt"]
     for library in libraries:
         try:
             torch.backends.cuda.preferred_blas_library(library)
@@ -88,8 +80,7 @@ def main() -> None:
                 total = sum(r["us"] for r in rows)
                 ideal = sum(2 * r["n"] * r["k"] for r in rows) / copy_bw * 1e6
                 print(f"{library:9s} {model:11s} M={m:3d}: " + "  ".join(
-                    f"{r['layer']} {r['us']:5.1f}us (skinny {r['skinny_us'] or 0:5.1f})"
-                    for r in rows)
+                    f"{r['layer']} {r['us']:5.1f}us" for r in rows)
                     + f"  layer {total:5.1f} us (weights at copy bandwidth {ideal:4.1f} us)",
                     flush=True)
         with open(args.out, "w") as f:
