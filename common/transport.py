@@ -11,6 +11,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 import zmq
+import zmq.asyncio
 import zmq.auth
 
 PROTOCOL_VERSION = 1
@@ -82,6 +83,18 @@ class LinkConfig:
             raise ValueError("step_timeout_s must be > 0")
         if self.configure_timeout_s < self.heartbeat_timeout_s:
             raise ValueError("need configure_timeout_s >= heartbeat_timeout_s")
+
+
+def unbounded_socket(kind: int) -> zmq.asyncio.Socket:
+    """An asyncio socket for the engine <-> front-end link (ipc on one host): no linger and no
+    high-water marks. At a mark (the default is 1000) a ROUTER drops what a peer that stalled for
+    a second or two has not read yet, without an error; the engine bounds the queue instead, by
+    forgetting a front-end that stays silent."""
+    sock = zmq.asyncio.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
 
 
 def configure_socket(sock: zmq.Socket, config: LinkConfig, server: bool) -> None:

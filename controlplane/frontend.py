@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 from grpc_health.v1 import health
 
+from common.transport import unbounded_socket
 from controlplane.grpc_server import SERVICE, GrpcServerConfig, set_health, start_server
 from protos import frontend_pb2, generation_pb2
 
@@ -54,10 +55,7 @@ class Frontend:
 
     async def start(self) -> int:
         self._set_health(serving=False, live=False)
-        self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)  # no limit: over one, messages would be dropped
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock = unbounded_socket(zmq.DEALER)
         self._sock.connect(self.config.engine_address)
         self.server, self.port = await start_server(
             lambda server: server.add_generic_rpc_handlers((self._generation_handler(),)),

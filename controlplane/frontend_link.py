@@ -15,6 +15,7 @@ import grpc
 import zmq
 import zmq.asyncio
 
+from common.transport import unbounded_socket
 from controlplane.api_server import GenerationServicer
 from controlplane.grpc_server import SERVICE
 from protos import frontend_pb2, generation_pb2
@@ -59,13 +60,8 @@ class FrontendLink:
         self._flush_scheduled = False
 
     async def start(self) -> None:
-        self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # No high-water marks: at one (the default 1000) a ROUTER drops what a front-end that
-        # stalled for a second or two has not read yet, without an error. A front-end silent
-        # for _FRONTEND_SILENT_S is forgotten, which bounds the queue.
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock = unbounded_socket(zmq.ROUTER)  # a front-end silent for _FRONTEND_SILENT_S
+        # is forgotten, which bounds its queue
         self._sock.bind(self.address)
         self._tasks = [asyncio.create_task(self._reader(), name="frontend-reader"),
                        asyncio.create_task(self._ticker(), name="frontend-state")]
