@@ -46,4 +46,19 @@ def figures(before, after, done) -> dict:
             "bytes_per_step_sent": per_step("link_bytes_sent"),
             "bytes_per_step_received": per_step("link_bytes_received"),
             "control_plane_cpu_ms_per_step": 1e3 * per_step("control_plane_cpu_seconds"),
-            "frontend_cpu_ms_per_step": 1e3 * per_step("frontend_cpu_seconds")}
+            "frontend_cpu_ms_per_step": 1e3 * per_step("frontend_cpu_seconds"),
+            **step_times(before, after)}
+
+
+def step_times(before, after) -> dict:
+    """From GetLoad before and after: how many steps had prompt tokens, and the data plane's
+    own mean host and total milliseconds of a prompt step and of a decode step."""
+    steps = after.num_steps - before.num_steps
+    prompt_steps = after.num_prompt_steps - before.num_prompt_steps
+    out = {"num_prompt_steps": prompt_steps}
+    for kind, count in (("prompt", prompt_steps), ("decode", steps - prompt_steps)):
+        for part in ("host", "total"):
+            field = f"{kind}_step_{part}_seconds"
+            spent = getattr(after, field) - getattr(before, field)
+            out[f"{kind}_step_{part}_ms"] = 1e3 * spent / count if count else None
+    return out

@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import run_info  # noqa: E402
-from served import serve  # noqa: E402
+from served import serve, step_times  # noqa: E402
 from splitserve.client import AsyncClient  # noqa: E402
 
 SHAPES = ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
@@ -151,24 +151,34 @@ def benchmark(address: str, args) -> dict:
     from splitserve.client import Client
     with Client(address) as client:
         info = client.model_info()
-    warm = [(p, 8) for p, _ in workload(args, info.vocab_size, args.seed)[:args.num_warmup]]
-    asyncio.run(run_rate(address, warm, float("inf"), args.temperature, args.seed))
-    slos = parse_slos(args.goodput)
-    results = []
-    for i, rate in enumerate(args.request_rates, start=1):
-        requests = workload(args, info.vocab_size, args.seed + i)
-        timings, seconds = asyncio.run(run_rate(address, requests, rate, args.temperature,
-                                                args.seed))
-        results.append({"request_rate": rate if rate != float("inf") else "inf",
-                        **summarize(timings, seconds, slos)})
-        row = results[-1]
-        print(f"rate {row['request_rate']:>6}: {row['completed']}/{len(timings)} done in "
-              f"{seconds:.1f} s, {row['output_throughput']:.0f} tok/s; TTFT p50 {row['p50_ttft_ms']:.0f} / p99 "
-              f"{row['p99_ttft_ms']:.0f} ms, TPOT p50 {row['p50_tpot_ms']:.1f} ms, ITL p50 "
-              f"{row['p50_itl_ms']:.1f} / p99 {row['p99_itl_ms']:.1f} ms"
-              + (f", goodput {row['goodput']:.2f} req/s" if slos else ""), flush=True)
+        warm = [(p, 8) for p, _ in workload(args, info.vocab_size, args.seed)[:args.num_warmup]]
+        asyncio.run(run_rate(address, warm, float("inf"), args.temperature, args.seed))
+        slos = parse_slos(args.goodput)
+        results = []
+        for i, rate in enumerate(args.request_rates, start=1):
+            requests = workload(args, info.vocab_size, args.seed + i)
+            before = client.load()
+            timings, seconds = asyncio.run(run_rate(address, requests, rate, args.temperature,
+                                                    args.seed))
+            results.append({"request_rate": rate if rate != float("inf") else "inf",
+                            **summarize(timings, seconds, slos),
+                            **step_times(before, client.load())})
+            print_row(results[-1], len(timings), seconds, bool(slos))
     return {"model_name": info.model_name, "tp": info.tp_size, "dtype": info.dtype,
             "results": results}
+
+
+def print_row(row: dict, num_requests: int, seconds: float, has_slos: bool) -> None:
+    ms = lambda value: f"{value:.1f}" if value is not None else "-"  # noqa: E731
+    print(f"rate {row['request_rate']:>6}: {row['completed']}/{num_requests} done in "
+          f"{seconds:.1f} s, {row['output_throughput']:.0f} tok/s; TTFT p50 "
+          f"{row['p50_ttft_ms']:.0f} / p99 {row['p99_ttft_ms']:.0f} ms, TPOT p50 "
+          f"{row['p50_tpot_ms']:.1f} ms, ITL p50 {row['p50_itl_ms']:.1f} / p99 "
+          f"{row['p99_itl_ms']:.1f} ms" + (f", goodput {row['goodput']:.2f} req/s" if has_slos
+                                          else "")
+          + f"; data plane ms per prompt step (host / total) {ms(row['prompt_step_host_ms'])} / "
+          f"{ms(row['prompt_step_total_ms'])} x {row['num_prompt_steps']}, per decode step "
+          f"{ms(row['decode_step_host_ms'])} / {ms(row['decode_step_total_ms'])}", flush=True)
 
 
 def main() -> None:

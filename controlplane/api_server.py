@@ -141,6 +141,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GetLoad(self, request, context) -> generation_pb2.Load:
         running, waiting, used, total = self.engine.load()
+        times = self.engine.step_times
         return generation_pb2.Load(num_running=running, num_waiting=waiting,
                                    kv_blocks_used=used, kv_blocks_total=total,
                                    num_preemptions=self.engine.num_preemptions,
@@ -149,4 +150,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                    link_bytes_sent=getattr(self.engine.dataplane, "bytes_sent", 0),
                                    link_bytes_received=getattr(self.engine.dataplane,
                                                                "bytes_received", 0),
-                                   control_plane_cpu_seconds=time.process_time())
+                                   control_plane_cpu_seconds=time.process_time(),
+                                   num_prompt_steps=times.num_prompt_steps,
+                                   prompt_step_host_seconds=times.prompt_host_s,
+                                   prompt_step_total_seconds=times.prompt_total_s,
+                                   decode_step_host_seconds=times.decode_host_s,
+                                   decode_step_total_seconds=times.decode_total_s)

@@ -33,6 +33,28 @@ log = logging.getLogger("splitserve.engine")
 _RELEASE_BATCH = 16  # streams woken per turn of the loop while a step runs
 
 
+@dataclass
+class StepTimes:
+    """The data plane's own timings of its steps (StepResult.timings), summed by kind: prompt
+    steps have a request with more than one new token (they run without CUDA graphs), decode
+    steps do not. GetLoad reports them."""
+
+    num_prompt_steps: int = 0
+    prompt_host_s: float = 0.0
+    prompt_total_s: float = 0.0
+    decode_host_s: float = 0.0
+    decode_total_s: float = 0.0
+
+    def observe(self, is_prompt_step: bool, host_ms: float, total_ms: float) -> None:
+        if is_prompt_step:
+            self.num_prompt_steps += 1
+            self.prompt_host_s += host_ms / 1e3
+            self.prompt_total_s += total_ms / 1e3
+        else:
+            self.decode_host_s += host_ms / 1e3
+            self.decode_total_s += total_ms / 1e3
+
+
 class Attachment(enum.Enum):
     DETACHED = "detached"
     ATTACHED = "attached"
@@ -93,6 +115,7 @@ class Engine:
         self.num_preemptions = 0
         self.num_dataplane_losses = 0
         self.num_steps = 0
+        self.step_times = StepTimes()
         self._wakeup = asyncio.Event()
         self._closed = asyncio.Event()  # set by close(): wakes a run() waiting to attach
         self._idle = asyncio.Event()
@@ -288,6 +311,8 @@ class Engine:
             self._in_flight.popleft()
             self.num_steps += 1
             self.deadline.observe(step.num_tokens, time.monotonic() - step.started)
+            self.step_times.observe(step.num_tokens > len(step.out.scheduled),
+                                    result.timings.forward_ms, result.timings.total_ms)
             self._process(step.out, result)
 
     def _launch(self, epoch: int) -> bool:

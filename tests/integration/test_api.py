@@ -208,6 +208,21 @@ def test_small_rpcs(server):
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[1]" in error.value.details()
 
 
+def test_load_counts_prompt_and_decode_steps_with_the_data_planes_timings(server):
+    before = server.client.load()
+    server.client.generate(list(range(1, 40)), max_tokens=6, temperature=0, ignore_eos=True)
+    after = server.client.load()
+    steps = after.num_steps - before.num_steps
+    prompt_steps = after.num_prompt_steps - before.num_prompt_steps
+    assert prompt_steps >= 1 and steps - prompt_steps >= 4  # one prompt, five more tokens
+    for kind in ("prompt", "decode"):
+        host = getattr(after, f"{kind}_step_host_seconds") - \
+            getattr(before, f"{kind}_step_host_seconds")
+        total = getattr(after, f"{kind}_step_total_seconds") - \
+            getattr(before, f"{kind}_step_total_seconds")
+        assert 0 < host <= total, kind
+
+
 def test_200_streams_with_cancels_and_deadlines_leave_nothing_behind(server):
     async def one(client, i):
         call = client.generate_stream([i % 300 + 1, 2, 3, 4], max_tokens=10 + i % 30,
