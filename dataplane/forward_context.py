@@ -4,6 +4,7 @@ Set only with `forward_context(...)`, which restores the previous value; read on
 attention layers and the LM head; reading it outside a forward pass raises.
 """
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from collections.abc import Iterator
@@ -41,6 +42,14 @@ class ForwardContext:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def max_decode_seq_len(self) -> int:
+        """The longest of the leading decodes (what their split count is picked for), from the
+        host list: once a step, read by every layer."""
+        if not self.num_decodes:
+            return 0
+        return max(self.seq_lens_host[:self.num_decodes])
 
 
 _current: ForwardContext | None = None

@@ -27,20 +27,19 @@ class TritonAttention:
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: ForwardContext, scale: float) -> torch.Tensor:
         if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
-            return self._decode(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx, scale)
-        d = ctx.num_decodes
+            return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
+                                          scale, num_splits=self.num_splits,
+                                          max_seq_len=ctx.max_seq_len)
+        num_decodes = ctx.num_decodes  # served by the decode kernel, the rest by the prefill one
         out = torch.empty_like(q)
-        if d:
-            self._decode(q[:d], k_cache, v_cache, ctx.block_tables[:d], ctx.seq_lens[:d], ctx,
-                         scale, out=out[:d])
-        paged_prefill_attention(q[d:], k_cache, v_cache, ctx.block_tables[d:],
-                                ctx.query_start_loc[d:], ctx.seq_lens[d:], scale,
-                                max_query_len=ctx.max_query_len, out=out[d:], first_token=d)
+        if num_decodes:
+            paged_decode_attention(q[:num_decodes], k_cache, v_cache,
+                                   ctx.block_tables[:num_decodes], ctx.seq_lens[:num_decodes],
+                                   scale, num_splits=self.num_splits,
+                                   max_seq_len=ctx.max_decode_seq_len, out=out[:num_decodes])
+        paged_prefill_attention(q[num_decodes:], k_cache, v_cache,
+                                ctx.block_tables[num_decodes:],
+                                ctx.query_start_loc[num_decodes:], ctx.seq_lens[num_decodes:],
+                                scale, max_query_len=ctx.max_query_len, out=out[num_decodes:],
+                                first_token=num_decodes)
         return out
-
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_tables: torch.Tensor, seq_lens: torch.Tensor, ctx: ForwardContext,
-                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                      num_splits=self.num_splits, max_seq_len=ctx.max_seq_len,
-                                      out=out)

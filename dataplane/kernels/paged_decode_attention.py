@@ -3,8 +3,8 @@
 One program handles one (kv head, request, split): the GROUP query heads that share the kv head
 are stacked as the rows of one tile (padded to 16 for tl.dot), so each K/V tile is read from HBM
 once per kv head, not once per query head. The kv head is the grid's fastest axis: a request's
-heads run side by side and read the same cache pages together (2-4% faster on the H200 at
-128-256 requests than request-fastest). Long contexts are cut into `num_splits` contiguous
+heads run side by side and read the same cache pages together (1-3% faster on the H200 at
+128-256 requests than request-fastest, with the same tiles). Long contexts are cut into `num_splits` contiguous
 ranges of key tiles; each split writes its normalized partial output and its log-sum-exp, and a
 second kernel combines them. With one split the first kernel writes the output directly.
 
@@ -24,7 +24,8 @@ from dataplane.kernels.paged_inputs import check_paged_attention_inputs
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed costs outweigh the parallelism it adds
-MAX_SPLITS = 64
+MAX_SPLITS = 64  # also the combine kernel's one tile height (masked): a height per split count
+# would compile a variant in the first eager step (a mixed step's decodes) that needs it
 
 
 # The block-table row stride is the longest request's block count in an eager step: specialized,
@@ -131,7 +132,8 @@ def _config(dtype: torch.dtype, head_dim: int) -> dict:
     if dtype == torch.float32:  # tests only: exact fp32 dots, tiles small enough for shared memory
         return dict(BLOCK_N=16, DOT_PRECISION="ieee", num_warps=4, num_stages=2)
     # Measured on the H200 (bench/tune_decode.py, bench/results/h200/decode_tuning.json): 128-key
-    # tiles in two stages beat 64 in three by 3-5% at 128-256 requests, more at 64.
+    # tiles in two stages beat 64 in three by 3-5% at 128-256 requests of varied lengths; at 64
+    # repeated timings of one config differ more than the configs do.
     return dict(BLOCK_N=128 if head_dim <= 128 else 64, DOT_PRECISION="tf32", num_warps=4,
                 num_stages=2)
 
@@ -182,7 +184,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits > 1:
         _combine_kernel[(num_reqs, num_heads)](
             part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_SPLITS=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),
+            num_warps=4,
         )
     return out
 

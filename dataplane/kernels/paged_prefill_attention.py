@@ -7,9 +7,10 @@ and sees keys 0..that position. All keys are read from the cache through the blo
 
 One program handles BLOCK_Q consecutive queries of one request for the GROUP query heads of one
 kv head, stacked as BLOCK_M = BLOCK_Q * GROUP_P rows (row = query * GROUP_P + head), so each K/V
-tile is loaded once per kv head. Request r owns the programs [qsl[r] // BLOCK_Q + r,
-qsl[r+1] // BLOCK_Q + r + 1) of a grid of num_tokens // BLOCK_Q + num_reqs, found by a binary
-search over query_start_loc: no host-side list of tiles is needed.
+tile is loaded once per kv head. With t = query_start_loc[r] - first_token
+(first_token: where this launch's tokens start), request r owns the programs [t // BLOCK_Q + r,
+t' // BLOCK_Q + r + 1) of a grid of num_tokens // BLOCK_Q + num_reqs (t' for r + 1), found by a
+binary search over query_start_loc: no host-side list of tiles is needed.
 """
 
 import math
@@ -173,6 +174,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    assert first_token >= 0
     if num_tokens == 0 or num_reqs == 0:
         return out
     group = num_heads // num_kv_heads
