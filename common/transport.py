@@ -87,9 +87,10 @@ class LinkConfig:
 
 def unbounded_socket(kind: int) -> zmq.asyncio.Socket:
     """An asyncio socket for the engine <-> front-end link (ipc on one host): no linger and no
-    high-water marks. At a mark (the default is 1000) a ROUTER drops what a peer that stalled for
-    a second or two has not read yet, without an error; the engine bounds the queue instead, by
-    forgetting a front-end that stays silent."""
+    high-water marks. At a mark (the default is 1000) the engine's ROUTER drops what a front-end
+    that stalled for a second or two has not read yet, without an error, and a front-end's DEALER
+    blocks its sends; the engine bounds its queues instead, by forgetting a front-end that stays
+    silent. (A front-end's queue toward a stalled engine is not bounded.)"""
     sock = zmq.asyncio.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)

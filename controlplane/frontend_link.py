@@ -60,8 +60,8 @@ class FrontendLink:
         self._flush_scheduled = False
 
     async def start(self) -> None:
-        self._sock = unbounded_socket(zmq.ROUTER)  # a front-end silent for _FRONTEND_SILENT_S
-        # is forgotten, which bounds its queue
+        # A front-end silent for _FRONTEND_SILENT_S is forgotten, which bounds its queue.
+        self._sock = unbounded_socket(zmq.ROUTER)
         self._sock.bind(self.address)
         self._tasks = [asyncio.create_task(self._reader(), name="frontend-reader"),
                        asyncio.create_task(self._ticker(), name="frontend-state")]
