@@ -30,10 +30,6 @@ class ForwardContext:
     max_seq_len: int
     query_start_loc_host: list[int] | None
     seq_lens_host: list[int] | None
-    # The leading requests with one new token each (decodes come first in a step: the scheduler
-    # serves running requests first): a backend may attend for them with its decode kernel and
-    # for the rest with its prefill kernel. 0 where nobody counted them.
-    num_decodes: int = 0
 
     @property
     def num_reqs(self) -> int:
@@ -42,6 +38,18 @@ class ForwardContext:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def num_decodes(self) -> int:
+        """The leading requests with one new token each (decodes come first in a step: the
+        scheduler serves running requests first): a backend may attend for them with its decode
+        kernel and for the rest with its prefill kernel. From the host offsets, once a step and
+        only when read (eager steps); 0 without them (a captured graph)."""
+        starts = self.query_start_loc_host or [0]
+        num = 0
+        while num + 1 < len(starts) and starts[num + 1] == num + 1:
+            num += 1
+        return num
 
     @functools.cached_property
     def max_decode_seq_len(self) -> int:

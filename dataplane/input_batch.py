@@ -221,7 +221,7 @@ class InputBatch:
             block_tables=self.block_table_device[slots_d, :max_blocks],
             logits_indices=logits_d, max_query_len=int(num_scheduled.max()),
             max_seq_len=max(seq_lens_host), query_start_loc_host=query_start_loc.tolist(),
-            seq_lens_host=seq_lens_host, num_decodes=leading_ones(num_scheduled))
+            seq_lens_host=seq_lens_host)
         token_ids = self.token_ids.view(-1)[token_index_d].long()
         return StepInputs(token_ids, positions_d, context, sampled_slots, sampled_slots_d,
                           sampled_index_d)
@@ -281,9 +281,3 @@ class InputBatch:
         counts = zeros.scatter_add(1, tokens, is_output.float())
         prompt = zeros.scatter_add(1, tokens, is_prompt.float()) > 0
         return counts, prompt
-
-
-def leading_ones(counts: np.ndarray) -> int:
-    """How many entries at the start of counts equal 1."""
-    not_one = np.flatnonzero(counts != 1)
-    return int(not_one[0]) if len(not_one) else len(counts)

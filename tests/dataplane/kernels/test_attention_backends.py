@@ -4,7 +4,6 @@ decode-only and mixed batches."""
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,6 @@ from dataplane.attention.torch_backend import TorchAttention  # noqa: E402
 from dataplane.attention.torch_backend import store_kv as torch_store_kv  # noqa: E402
 from dataplane.attention.triton_backend import TritonAttention  # noqa: E402
 from dataplane.forward_context import ForwardContext  # noqa: E402
-from dataplane.input_batch import leading_ones  # noqa: E402
 from dataplane.kernels.store_kv import store_kv  # noqa: E402
 from tests.dataplane.kernels.helpers import (  # noqa: E402
     DTYPES, KERNEL_MARKS, assert_close, cumsum0, on_gpu, randn, skip_unsupported)
@@ -55,8 +53,7 @@ def make_context(lens: list[tuple[int, int]], block_size: int, device: torch.dev
         block_tables=tables.to(device),
         logits_indices=torch.tensor(starts[1:], device=device) - 1,
         max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_start_loc_host=starts, seq_lens_host=seq_lens,
-        num_decodes=leading_ones(np.array(query_lens)))
+        query_start_loc_host=starts, seq_lens_host=seq_lens)
     return ctx, num_blocks
 
 
