@@ -1,9 +1,9 @@
 """The decode step's linear layers (Qwen3-0.6B / 8B shapes, bf16, no bias) at skinny batch sizes,
 timed the way a decode step runs them: inside a CUDA graph, over COPIES distinct weight copies
 (one graph replay = COPIES layers' worth). Eight copies outgrow the H200's ~50 MB L2 except for
-the 0.6B o_proj (32 MB) and down (48 MB), whose times may be a little low for it. Reports microseconds per
-GEMM, the fraction of the copy bandwidth its weights need, and TFLOP/s, under each BLAS library
-torch offers here.
+the 0.6B o_proj (32 MB) and down (48 MB), whose times may be a little low for it. Reports
+microseconds per GEMM, the fraction of the copy bandwidth its weights need, and TFLOP/s, under
+each BLAS library torch offers here.
 
     PYTHONPATH=. python3 bench/gemm.py --out gemm.json
 """
