@@ -3,10 +3,7 @@ timed the way a decode step runs them: inside a CUDA graph, over COPIES distinct
 (one graph replay = COPIES layers' worth). Eight copies outgrow the H200's ~50 MB L2 except for
 the 0.6B o_proj (32 MB) and down (48 MB), whose times may be a little low for it. Reports
 microseconds per GEMM, the fraction of the copy bandwidth its weights need, and TFLOP/s, under
-cuBLAS and under the fastest dataplane.kernels.skinny_matmul config with and without programmatic
-dependent launch (the weights prefetched while the launch before runs), alone and each behind an
-RMSNorm kernel as in a decode step (cuBLASLt was no faster than cuBLAS at any of these shapes:
-gemm.json at a9cdbf6).
+each BLAS library torch offers here.
 
     PYTHONPATH=. python3 bench/gemm.py --out gemm.json
 """
@@ -18,10 +15,6 @@ import torch
 
 import run_info
 from kernels import copy_bandwidth
-
-from dataplane.kernels import pdl
-from dataplane.kernels.rmsnorm import rms_norm
-from dataplane.kernels.skinny_matmul import CONFIGS, fits, skinny_matmul
 
 COPIES = 8
 ROWS = [8, 32, 64, 128, 256]
@@ -50,40 +43,18 @@ def graph_us(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / repeats
 
 
-def _skinny(weights, x, out, pdl_on: bool) -> tuple[float, int | None]:
-    """Microseconds per GEMM of the fastest fitting config, and its index."""
-    pdl.set_enabled(pdl_on)
-    try:
-        n, k = weights[0].shape
-        timings = {i: graph_us(lambda: [skinny_matmul(x, w, c, out) for w in weights]) / COPIES
-                   for i, c in enumerate(CONFIGS) if fits(c, x.shape[0], n, k, 2)}
-    finally:
-        pdl.set_enabled(True)
-    best = min(timings, key=timings.get) if timings else None
-    return (timings[best] if timings else float("nan")), best
-
-
 def measure(name: str, n: int, k: int, m: int, copy_bw: float) -> dict:
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(COPIES)]
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    normed, norm_weight = torch.empty_like(x), torch.ones(k, dtype=x.dtype, device="cuda")
-    us = graph_us(lambda: [torch.mm(x, w.t(), out=out) for w in weights]) / COPIES
+
+    def layers():
+        for w in weights:
+            torch.mm(x, w.t(), out=out)
+    us = graph_us(layers) / COPIES
     moved = 2 * (n * k + m * (n + k))
-    skinny_pdl_us, best = _skinny(weights, x, out, True)
-    skinny_us, _ = _skinny(weights, x, out, False)
-    behind_norm = {"cublas": graph_us(lambda: [
-        (rms_norm(x, norm_weight, 1e-6, out=normed), torch.mm(normed, w.t(), out=out))
-        for w in weights]) / COPIES}
-    if best is not None:
-        behind_norm["skinny_pdl"] = graph_us(lambda: [
-            (rms_norm(x, norm_weight, 1e-6, out=normed),
-             skinny_matmul(normed, w, CONFIGS[best], out)) for w in weights]) / COPIES
     return dict(layer=name, n=n, k=k, rows=m, us=us,
-                fraction_of_copy_bw=moved / (us * 1e-6) / copy_bw, tflops=2 * m * n * k / us / 1e6,
-                skinny_pdl_us=skinny_pdl_us, skinny_us=skinny_us,
-                skinny_config=CONFIGS[best] if best is not None else None,
-                behind_norm_us=behind_norm)
+                fraction_of_copy_bw=moved / (us * 1e-6) / copy_bw, tflops=2 * m * n * k / us / 1e6)
 
 
 def main() -> None:
@@ -94,21 +65,28 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
                   torch=torch.__version__, copy_bandwidth_gbps=copy_bw / 1e9, results=[])
-    for model, layers in LAYERS.items():
-        for m in ROWS:
-            rows = [measure(name, n, k, m, copy_bw) for name, n, k in layers]
-            for row in rows:
-                row.update(model=model, library="cublas")
-            report["results"] += rows
-            ideal = sum(2 * r["n"] * r["k"] for r in rows) / copy_bw * 1e6
-            print(f"{model:11s} M={m:3d}: " + "  ".join(
-                f"{r['layer']} {r['us']:5.1f} / {r['skinny_pdl_us']:5.1f} / {r['skinny_us']:5.1f}"
-                f" (+norm {r['behind_norm_us']['cublas']:5.1f} / "
-                f"{r['behind_norm_us'].get('skinny_pdl', float('nan')):5.1f})" for r in rows)
-                + f"  [us: cuBLAS / skinny+PDL / skinny; weights at copy bw {ideal:4.1f}]",
-                flush=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    libraries = ["cublas", "cublaslt"]
+    for library in libraries:
+        try:
+            torch.backends.cuda.preferred_blas_library(library)
+        except Exception as e:  # noqa: BLE001 - a library this build lacks is a result
+            print(f"{library}: {e}")
+            continue
+        for model, layers in LAYERS.items():
+            for m in ROWS:
+                rows = [measure(name, n, k, m, copy_bw) for name, n, k in layers]
+                for row in rows:
+                    row.update(model=model, library=library)
+                report["results"] += rows
+                total = sum(r["us"] for r in rows)
+                ideal = sum(2 * r["n"] * r["k"] for r in rows) / copy_bw * 1e6
+                print(f"{library:9s} {model:11s} M={m:3d}: " + "  ".join(
+                    f"{r['layer']} {r['us']:5.1f}us" for r in rows)
+                    + f"  layer {total:5.1f} us (weights at copy bandwidth {ideal:4.1f} us)",
+                    flush=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,6 @@ always has the next step queued while the host packs and sends the previous resu
 """
 
 import gc
-import logging
 import pathlib
 import time
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from transformers import PretrainedConfig
 from common.wire import pack_f32, pack_i32
 from dataplane import kv_cache
 from dataplane.attention import AttentionBackend, make_backend
-from dataplane.cuda_graphs import DecodeGraphs, capture_sizes
+from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.distributed import broadcast_from_rank0, tp_rank
 from dataplane.forward_context import ForwardContext, forward_context
 from dataplane.input_batch import BatchLimits, InputBatch, StepInputs
@@ -26,8 +25,6 @@ from dataplane.loader import load_config, load_model, resolve_dtype
 from dataplane.sampler import SamplerOutput, SamplingBatch, sample
 from dataplane.sampler import compile_kernels as compile_sampler_kernels
 from protos import link_pb2
-
-log = logging.getLogger("splitserve.dataplane")
 
 
 @dataclass(frozen=True)
@@ -128,20 +125,11 @@ class ModelRunner:
             self._compile_kernels(batch_limits, num_blocks)
         if self.device.type == "cuda" and not self.config.enforce_eager and \
                 self.backend.name != "torch":
-            self._plan_gemms(capture_sizes(limits.max_num_seqs))
             self.graphs = DecodeGraphs(self.model, limits.max_num_seqs,
                                        batch_limits.max_blocks_per_seq, limits.max_model_len,
                                        self.device)
             self.graphs.capture()
         return num_blocks
-
-    def _plan_gemms(self, sizes: list[int]) -> None:
-        """Pick each linear layer's kernel per decode batch size by timing (gemm_plan.py)."""
-        from dataplane.layers.gemm_plan import plan_linear_layers
-        started = time.perf_counter()
-        report = plan_linear_layers(self.model, sizes)
-        log.info("GEMM plan in %.1f s (sizes where skinny_matmul beats cuBLAS): %s",
-                 time.perf_counter() - started, report)
 
     def release(self) -> None:
         """Drop the model, KV cache and graphs, and give their device memory back (another

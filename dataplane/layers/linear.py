@@ -30,10 +30,6 @@ def _cols(loaded, start: int, size: int) -> torch.Tensor:
 
 
 class _Linear(nn.Module):
-    # Rows of input -> the skinny_matmul config that runs this layer at that size on CUDA, set
-    # by dataplane.layers.gemm_plan from start-up measurements; other sizes run F.linear (cuBLAS).
-    gemm_plan: dict[int, dict] = {}
-
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -44,20 +40,13 @@ class _Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        config = self.gemm_plan.get(x.shape[0]) if bias is None and x.dim() == 2 else None
-        if config is None:
-            return F.linear(x, self.weight, bias)
-        from dataplane.kernels.skinny_matmul import skinny_matmul  # CUDA only: imports triton
-        return skinny_matmul(x, self.weight, config)
-
 
 class ReplicatedLinear(_Linear):
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         param.data.copy_(loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_Linear):
@@ -69,7 +58,7 @@ class ColumnParallelLinear(_Linear):
         param.data.copy_(_rows(loaded, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -116,4 +105,4 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if tp_rank() == 0 else None
-        return all_reduce(self._matmul(x, bias))
+        return all_reduce(F.linear(x, self.weight, bias))
