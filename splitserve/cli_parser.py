@@ -96,10 +96,6 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                         "what weights and a profiled worst-case step leave (default %(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps")
-    p.add_argument("--no-pdl", action="store_true",
-                   help="launch the Triton kernels without programmatic dependent launch (on "
-                        "by default on Hopper and later GPUs: a kernel starts while the one "
-                        "before it finishes)")
     p.add_argument("--load-format", choices=("safetensors", "dummy"), default="safetensors",
                    help="dummy: random weights instead of the checkpoint's (benchmarks; the "
                         "model directory then needs only config.json and tokenizer.json)")

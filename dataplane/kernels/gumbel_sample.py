@@ -24,8 +24,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from dataplane.kernels.pdl import launch_options, wait_for_inputs
-
 LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -56,9 +54,7 @@ def _keep_better(best, best_id, score, cols):
 @triton.jit(do_not_specialize=["base_seed"])
 def _gumbel_chunk_kernel(logits_ptr, temperature_ptr, seeds_ptr, best_ptr, best_id_ptr, vocab,
                          stride_row, base_seed, num_chunks, HAS_ROW_SEEDS: tl.constexpr,
-                         CHUNK: tl.constexpr, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    wait_for_inputs(USE_PDL)
+                         CHUNK: tl.constexpr, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     t = tl.load(temperature_ptr + row)
@@ -94,9 +90,7 @@ def _gumbel_chunk_kernel(logits_ptr, temperature_ptr, seeds_ptr, best_ptr, best_
 
 
 @triton.jit
-def _gumbel_reduce_kernel(best_ptr, best_id_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-    wait_for_inputs(USE_PDL)
+def _gumbel_reduce_kernel(best_ptr, best_id_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr):
     row = tl.program_id(0)
     lanes = tl.arange(0, CHUNKS)
     mask = lanes < num_chunks
@@ -132,11 +126,9 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, base_seed: in
         logits, temperature, row_seeds if row_seeds is not None else temperature, best, best_id,
         vocab, logits.stride(0), base_seed % (1 << 62), num_chunks,
         HAS_ROW_SEEDS=row_seeds is not None, CHUNK=chunk, QUARTER=_QUARTER,
-        FAST_LOG=logits.device.type == "cuda", num_warps=4,
-        **launch_options(logits.device))
+        FAST_LOG=logits.device.type == "cuda", num_warps=4)
     _gumbel_reduce_kernel[(rows,)](best, best_id, out, num_chunks,
-                                   CHUNKS=triton.next_power_of_2(num_chunks), num_warps=1,
-                                   **launch_options(logits.device))
+                                   CHUNKS=triton.next_power_of_2(num_chunks), num_warps=1)
     return out
 
 

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from dataplane.kernels.paged_inputs import check_paged_attention_inputs
-from dataplane.kernels.pdl import launch_options, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed costs outweigh the parallelism it adds
@@ -41,9 +40,7 @@ def _decode_kernel(
     stride_bt_req, stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_inputs(USE_PDL)
     kv_head = tl.program_id(0)
     req = tl.program_id(1)
     split = tl.program_id(2)
@@ -95,9 +92,8 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])
 def _combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_out_tok, stride_out_head,
-    HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
 ):
-    wait_for_inputs(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_SPLITS)
@@ -182,14 +178,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=block_size, IS_SPLIT=num_splits > 1, **launch_options(q.device),
+        PAGE_SIZE=block_size, IS_SPLIT=num_splits > 1,
         **(_config(q.dtype, head_dim) | (config or {})),
     )
     if num_splits > 1:
         _combine_kernel[(num_reqs, num_heads)](
             part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_SPLITS=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),
-            num_warps=4, **launch_options(q.device),
+            num_warps=4,
         )
     return out
 

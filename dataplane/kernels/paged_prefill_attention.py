@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from dataplane.kernels.paged_inputs import check_paged_attention_inputs
-from dataplane.kernels.pdl import launch_options, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 
@@ -91,9 +90,7 @@ def _prefill_kernel(
     stride_bt_req, stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_inputs(USE_PDL)
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(query_start_loc_ptr, program, num_reqs, first_token, BLOCK_Q)
@@ -190,7 +187,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=block_size, **config,
-        **launch_options(q.device),
     )
     return out
 

@@ -8,8 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dataplane.kernels.pdl import launch_options, wait_for_inputs
-
 
 @triton.jit(do_not_specialize=["num_kv_heads"])
 def _store_kv_kernel(
@@ -18,9 +16,7 @@ def _store_kv_kernel(
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_cache_block, stride_cache_tok, stride_cache_head,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     heads = tl.arange(0, BLOCK_HEADS)
@@ -58,7 +54,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
-        num_warps=1 if num_kv_heads * head_dim <= 512 else 4, **launch_options(k.device),
+        num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
     )
 
 
