@@ -119,3 +119,50 @@ def test_decode_replays_under_a_cuda_graph(gen):
         expected = paged_decode_attention_ref(q, cache.k_cache, cache.v_cache, tables, lens,
                                               head_dim ** -0.5)
         assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (4, 4), (12, 4)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_with_the_qk_norm_rope_prologue(dtype, num_heads, num_kv_heads, num_splits,
+                                               device, gen):
+    """The fused kernel against the two steps it replaces: the prologue's reference (norms,
+    RoPE, the new token's k and v stored at its slot) and then decode attention over the cache.
+    The new token's slot holds NaN until the kernel writes it, so reading it back before the
+    write would show; its key starts a tile (seq_len 129) or is a split's only key (seq_len 2
+    over 3 splits); a padding row (seq_len 0, slot -1) writes zeros and stores nothing."""
+    from dataplane.kernels.paged_decode_attention import QKNormRope
+    from dataplane.kernels.qk_norm_rope import qk_norm_rope_store_ref
+    from dataplane.layers.rotary import RotaryEmbedding
+    skip_unsupported(dtype, device)
+    head_dim, block_size = (128, 16) if on_gpu(device) else (32, 16)
+    seq_lens = [1, 2, 17, 129, 200, 0]
+    cache = make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    slots = [-1 if n == 0 else int(cache.block_tables[i, (n - 1) // block_size]) * block_size
+             + (n - 1) % block_size for i, n in enumerate(seq_lens)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    for slot in slots:  # the new tokens are not in the cache yet
+        if slot >= 0:
+            cache.k_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
+            cache.v_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
+    rows, q_size, kv_size = len(seq_lens), num_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(rows, q_size + 2 * kv_size, dtype=dtype, device=device, gen=gen, scale=3.0)
+    q = qkv[:, :q_size].view(rows, num_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(rows, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].view(rows, num_kv_heads, head_dim)
+    positions = torch.tensor([max(n - 1, 0) for n in seq_lens], device=device)
+    rope = RotaryEmbedding(head_dim, 4096, 1e6).to(device)
+    prologue = QKNormRope(k, v, randn(head_dim, dtype=dtype, device=device, gen=gen),
+                          randn(head_dim, dtype=dtype, device=device, gen=gen), 1e-6, positions,
+                          rope.cos_sin_cache, slot_mapping)
+    k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+    q_ref = qk_norm_rope_store_ref(positions, q, k, v, prologue.q_weight, prologue.k_weight,
+                                   prologue.eps, rope.cos_sin_cache, k_ref, v_ref, slot_mapping)
+    lens, scale = int32(seq_lens, device), head_dim ** -0.5
+    out = paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, lens, scale,
+                                 num_splits=num_splits, out=nan_like(q_ref), prologue=prologue)
+    expected = paged_decode_attention_ref(q_ref, k_ref, v_ref, cache.block_tables, lens, scale)
+    assert_close(out, expected, dtype)
+    for got, ref in ((cache.k_cache, k_ref), (cache.v_cache, v_ref)):
+        assert torch.equal(got.isnan(), ref.isnan())
+        assert_close(got.nan_to_num(), ref.nan_to_num(), dtype)
