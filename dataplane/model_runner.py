@@ -177,20 +177,15 @@ class ModelRunner:
             layer.bind_kv_cache(torch.empty(0), torch.empty(0), self.backend)
 
     def _compile_kernels(self, limits: BatchLimits, num_blocks: int) -> None:
-        """One eager prompt step per power-of-two length and four eager decode steps (one long
-        request: split-KV; a full batch: not split; each alone, where the decode kernel does the
-        q/k norms and RoPE, and ahead of a prompt, where it does not), so that the kernels'
-        variants compile now and not inside a served step: a Triton compile holds the GIL for up
-        to seconds, which would silence the link's heartbeats. (The torch backend's attention has no kernels; the
+        """One eager prompt step per power-of-two length and two eager decode steps (one long
+        request: split-KV; a full batch: not split), so that the kernels' variants compile now
+        and not inside a served step: a Triton compile holds the GIL for up to seconds, which
+        would silence the link's heartbeats. (The torch backend's attention has no kernels; the
         layers' kernels compile in the profiling step before this.)"""
         logits = None
         if self.backend.name != "torch":
             self._dummy_decode(1, limits.max_model_len, num_blocks)
             self._dummy_decode(limits.max_num_seqs, min(limits.max_model_len, 64), num_blocks)
-            if limits.max_num_seqs > 1:  # the decodes of mixed steps, split and not
-                self._dummy_decode(1, limits.max_model_len, num_blocks, prompt_len=2)
-                self._dummy_decode(limits.max_num_seqs - 1, min(limits.max_model_len, 64),
-                                   num_blocks, prompt_len=2)
             num_tokens = 2
             while True:
                 num_tokens = min(num_tokens, limits.max_num_batched_tokens)
@@ -204,30 +199,22 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def _dummy_decode(self, num_reqs: int, seq_len: int, num_blocks: int,
-                      prompt_len: int = 0) -> None:
+    def _dummy_decode(self, num_reqs: int, seq_len: int, num_blocks: int) -> None:
         """An eager decode step of num_reqs requests of seq_len tokens over the bound KV cache
-        (blocks reused modulo num_blocks), storing nothing. With prompt_len, a mixed step: a
-        prompt of that many tokens after the decodes (whose attention then runs apart from
-        the q/k norms and RoPE, as in a served mixed step)."""
-        query_lens = [1] * num_reqs + ([prompt_len] if prompt_len else [])
-        seq_lens = [seq_len] * num_reqs + ([prompt_len] if prompt_len else [])
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        tensor = lambda values: torch.tensor(values, device=self.device)  # noqa: E731
-        table = (torch.arange(-(-max(seq_lens) // self.block_size), device=self.device)
-                 % num_blocks).int()
+        (blocks reused modulo num_blocks), storing nothing."""
+        arange = lambda n: torch.arange(n, device=self.device)  # noqa: E731
+        table = (arange(-(-seq_len // self.block_size)) % num_blocks).int()
         ctx = ForwardContext(
-            query_start_loc=tensor(starts).int(), seq_lens=tensor(seq_lens).int(),
-            slot_mapping=torch.full((starts[-1],), -1, device=self.device),
-            block_tables=table[None].expand(len(seq_lens), -1).contiguous(),
-            logits_indices=tensor(starts[1:]) - 1, max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens), query_start_loc_host=starts, seq_lens_host=seq_lens)
-        positions = [seq_len - 1] * num_reqs + list(range(prompt_len))
+            query_start_loc=arange(num_reqs + 1).int(),
+            seq_lens=torch.full((num_reqs,), seq_len, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.full((num_reqs,), -1, device=self.device),
+            block_tables=table[None].expand(num_reqs, -1).contiguous(),
+            logits_indices=arange(num_reqs), max_query_len=1, max_seq_len=seq_len,
+            query_start_loc_host=list(range(num_reqs + 1)), seq_lens_host=[seq_len] * num_reqs)
         with forward_context(ctx):
             self.model.compute_logits(self.model(
-                torch.zeros(starts[-1], dtype=torch.long, device=self.device), tensor(positions)))
+                torch.zeros(num_reqs, dtype=torch.long, device=self.device),
+                torch.full((num_reqs,), seq_len - 1, device=self.device)))
 
     @torch.inference_mode()
     def _dummy_forward(self, num_tokens: int, num_blocks: int, rows: int,

@@ -11,7 +11,7 @@ graph will see), and nothing reads a device value back on the host.
 import torch
 
 from dataplane.forward_context import ForwardContext
-from dataplane.kernels.paged_decode_attention import QKNormRope, paged_decode_attention
+from dataplane.kernels.paged_decode_attention import paged_decode_attention
 from dataplane.kernels.paged_prefill_attention import paged_prefill_attention
 
 
@@ -24,24 +24,9 @@ class TritonAttention:
         size and ctx.max_seq_len."""
         self.num_splits = num_splits
 
-    @staticmethod
-    def is_pure_decode(ctx: ForwardContext, num_tokens: int) -> bool:
-        """One new token per request (every graph step, and eager steps without prompts)."""
-        return ctx.max_query_len == 1 and num_tokens == ctx.seq_lens.shape[0]
-
-    def forward_decode_qk_norm_rope(self, q: torch.Tensor, prologue: QKNormRope,
-                                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                    ctx: ForwardContext, scale: float) -> torch.Tensor:
-        """A pure decode step's attention with Qwen3's prologue in the same kernel: q and the
-        prologue's k and v are the raw projections, not yet normalized, rotated or stored."""
-        assert self.is_pure_decode(ctx, q.shape[0])
-        return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, scale,
-                                      num_splits=self.num_splits, max_seq_len=ctx.max_seq_len,
-                                      prologue=prologue)
-
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: ForwardContext, scale: float) -> torch.Tensor:
-        if self.is_pure_decode(ctx, q.shape[0]):
+        if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
             return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
                                           scale, num_splits=self.num_splits,
                                           max_seq_len=ctx.max_seq_len)

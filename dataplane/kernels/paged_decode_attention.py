@@ -8,13 +8,6 @@ heads run side by side and read the same cache pages together (1-3% faster on th
 ranges of key tiles; each split writes its normalized partial output and its log-sum-exp, and a
 second kernel combines them. With one split the first kernel writes the output directly.
 
-With a `QKNormRope` prologue (Qwen3's pure decode steps) the kernel also does what
-dataplane.kernels.qk_norm_rope does before it, saving that launch per layer: each program
-normalizes and rotates its GROUP query heads and its kv head's new key, attends over the cached
-keys before the new token and adds the new token's key and value from registers; the split-0
-program writes them to the cache at their slot for later steps (no program reads them back in
-this one).
-
 The split ranges are computed on the device from seq_lens, so one launch configuration (grid =
 [num_kv_heads, num_reqs, num_splits]) serves any lengths: the launch is CUDA-graph capturable
 (no host sync, no value read back). A request with seq_len 0 (a padding row) writes zeros.
@@ -22,7 +15,6 @@ The split ranges are computed on the device from seq_lens, so one launch configu
 
 import functools
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -36,45 +28,18 @@ MAX_SPLITS = 64  # also the combine kernel's one tile height (masked): a height 
 # would compile a variant in the first eager step (a mixed step's decodes) that needs it
 
 
-@triton.jit
-def _norm_rope(row_ptrs, row_mask, weight_ptr, cos_sin_row, eps, HEAD_DIM: tl.constexpr):
-    """Rows [R, HEAD_DIM] at row_ptrs: RMSNorm with the weight, then neox RoPE, rounded like
-    dataplane.kernels.qk_norm_rope (each half's partner is read with a rotated column index, so
-    the rows stay whole for tl.dot)."""
-    half: tl.constexpr = HEAD_DIM // 2
-    dims = tl.arange(0, HEAD_DIM)
-    partner = (dims + half) % HEAD_DIM
-    dtype = row_ptrs.dtype.element_ty
-    x = tl.load(row_ptrs[:, None] + dims[None, :], mask=row_mask[:, None], other=0.0)
-    x = x.to(tl.float32)
-    xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=row_mask[:, None], other=0.0)
-    xp = xp.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-    w = tl.load(weight_ptr + dims).to(tl.float32)[None, :]
-    wp = tl.load(weight_ptr + partner).to(tl.float32)[None, :]
-    n = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-    np_ = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
-    cos = tl.load(cos_sin_row + dims % half)[None, :]
-    sin = tl.load(cos_sin_row + half + dims % half)[None, :]
-    sign = tl.where(dims < half, -1.0, 1.0)[None, :]  # x1 cos - x2 sin | x2 cos + x1 sin
-    return (n * cos + sign * np_ * sin).to(dtype)
-
-
 # The block-table row stride is the longest request's block count in an eager step: specialized,
 # its values would compile variants inside served steps (graphs fix it at capture).
 @triton.jit(do_not_specialize=["num_heads", "num_splits", "stride_bt_req"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    k_new_ptr, v_new_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr, slots_ptr,
-    scale_log2e, num_heads, num_splits, eps,
+    scale_log2e, num_heads, num_splits,
     stride_q_tok, stride_q_head,
     stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_bt_req, stride_out_tok, stride_out_head,
-    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cos_sin_pos,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PROLOGUE: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     req = tl.program_id(1)
@@ -89,36 +54,16 @@ def _decode_kernel(
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
-    if PROLOGUE:
-        pos = tl.load(positions_ptr + req)
-        cos_sin_row = cos_sin_ptr + pos * stride_cos_sin_pos
-        q = _norm_rope(q_ptr + req * stride_q_tok + heads * stride_q_head, row_mask,
-                       q_weight_ptr, cos_sin_row, eps, HEAD_DIM)  # [BLOCK_H, HEAD_DIM]
-        one = tl.full([1], True, tl.int1)
-        k_new = _norm_rope(k_new_ptr + req * stride_k_tok + kv_head * stride_k_head
-                           + tl.zeros([1], tl.int32), one, k_weight_ptr, cos_sin_row, eps,
-                           HEAD_DIM)  # [1, HEAD_DIM]
-        v_new = tl.load(v_new_ptr + req * stride_v_tok + kv_head * stride_v_head
-                        + dims)[None, :]  # [1, HEAD_DIM]
-        slot = tl.load(slots_ptr + req)
-        dst = ((slot // PAGE_SIZE) * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_tok
-               + kv_head * stride_cache_head + dims)[None, :]
-        is_stored = (slot >= 0) & (split == 0)  # one writer; a padding row has no slot
-        tl.store(k_cache_ptr + dst, k_new, mask=is_stored)
-        tl.store(v_cache_ptr + dst, v_new, mask=is_stored)
-        num_cached = seq_len - 1  # read from the cache; the new token comes from registers
-    else:
-        q = tl.load(q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
-                    mask=row_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
-        num_cached = seq_len
+    q = tl.load(q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+                mask=row_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
-    for tile in range(tile_lo, tl.minimum(tile_hi, tl.cdiv(num_cached, BLOCK_N))):
+    for tile in range(tile_lo, tile_hi):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_mask = keys < num_cached
+        key_mask = keys < seq_len
         blocks = tl.load(bt_row + keys // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
         offs = (blocks * stride_cache_block + (keys % PAGE_SIZE) * stride_cache_tok
                 + kv_head * stride_cache_head)  # [BLOCK_N]
@@ -131,17 +76,6 @@ def _decode_kernel(
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
-    if PROLOGUE:  # the new token, in the split that holds the last tile
-        owns_last = (tile_lo < tile_hi) & (tile_hi == num_tiles)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2e  # [BLOCK_H]
-        s_new = tl.where(owns_last, s_new, float("-inf"))
-        m_new = tl.maximum(m, s_new)
-        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m - m_new))
-        p = tl.where(owns_last, tl.exp2(s_new - m_new), 0.0)
-        p = p.to(v_new.dtype).to(tl.float32)  # rounded as the tiles' P is for their PV dot
-        l = l * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
         m = m_new
 
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # an empty split or request: zeros
@@ -204,58 +138,25 @@ def _config(dtype: torch.dtype, head_dim: int) -> dict:
                 num_stages=2)
 
 
-class QKNormRope(NamedTuple):
-    """Qwen3's attention prologue, done inside the decode kernel: per-head RMSNorm of q and k,
-    neox RoPE, and the store of the new k and v (dataplane.kernels.qk_norm_rope's contract).
-    k, v: [num_reqs, num_kv_heads, head_dim], the new tokens' raw projections (rows may be
-    strided); q_weight, k_weight: [head_dim]; positions, slot_mapping: [num_reqs] int64 (a
-    negative slot: not stored); cos_sin_cache: [max_position, head_dim] float32."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-
-    def check(self, q: torch.Tensor, k_cache: torch.Tensor) -> None:
-        num_reqs, _, head_dim = q.shape
-        assert self.k.shape == self.v.shape == (num_reqs, k_cache.shape[2], head_dim)
-        assert self.k.dtype == self.v.dtype == q.dtype
-        assert self.k.stride(2) == 1 and self.v.stride(2) == 1
-        assert self.q_weight.shape == self.k_weight.shape == (head_dim,)
-        assert self.q_weight.is_contiguous() and self.k_weight.is_contiguous()
-        assert self.positions.shape == self.slot_mapping.shape == (num_reqs,)
-        assert self.positions.dtype == self.slot_mapping.dtype == torch.int64
-        assert self.cos_sin_cache.dtype == torch.float32
-        assert self.cos_sin_cache.shape[1] == head_dim and self.cos_sin_cache.stride(1) == 1
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, max_seq_len: int | None = None,
-                           out: torch.Tensor | None = None, config: dict | None = None,
-                           prologue: QKNormRope | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           config: dict | None = None) -> torch.Tensor:
     """q: [num_reqs, num_heads, head_dim], the one new token of each request (its k/v already
     stored); k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32, cached tokens
     including the new one. num_splits: static split count, else picked from max_seq_len (a host
     bound; the block-table width when absent). config: tile settings over the defaults (BLOCK_N,
-    num_warps, num_stages), for tuning. prologue: q is then the raw projection (rows may be
-    strided) and the new tokens' k and v are not in the cache yet: the kernel normalizes,
-    rotates and stores them (QKNormRope). Returns out: [num_reqs, num_heads, head_dim]."""
+    num_warps, num_stages), for tuning. Returns out: [num_reqs, num_heads, head_dim]."""
     num_reqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     check_paged_attention_inputs(q, k_cache, v_cache)
     assert seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    if prologue is not None:
-        prologue.check(q, k_cache)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     if num_reqs == 0:
         return out
@@ -271,16 +172,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                device=q.device)
     else:
         part_out = part_lse = out  # unused
-    pro = prologue or QKNormRope(q, q, q, q, 0.0, seq_lens, q, seq_lens)  # unread placeholders
     _decode_kernel[(num_kv_heads, num_reqs, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        pro.k, pro.v, pro.q_weight, pro.k_weight, pro.positions, pro.cos_sin_cache,
-        pro.slot_mapping, scale * LOG2E, num_heads, num_splits, pro.eps,
+        scale * LOG2E, num_heads, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        *((pro.k.stride(0), pro.k.stride(1), pro.v.stride(0), pro.v.stride(1),
-           pro.cos_sin_cache.stride(0)) if prologue is not None else (0,) * 5),
-        PROLOGUE=prologue is not None, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=block_size, IS_SPLIT=num_splits > 1,
         **(_config(q.dtype, head_dim) | (config or {})),
     )

@@ -39,17 +39,10 @@ class Attention(nn.Module):
                              v: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
                              cos_sin_cache: torch.Tensor) -> torch.Tensor:
         """CUDA only: per-head RMSNorm of q and k, RoPE, and the store of k and v at the step's
-        slots in one kernel (Qwen3's attention prologue), then attention over the cache. With
-        our Triton backend a pure decode step does it all in the decode attention kernel."""
+        slots in one kernel (Qwen3's attention prologue), then attention over the cache."""
+        from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
         assert self.backend is not None, "bind_kv_cache() before the first forward"
         ctx = get_forward_context()
-        if self.backend.name == "triton" and self.backend.is_pure_decode(ctx, q.shape[0]):
-            from dataplane.kernels.paged_decode_attention import QKNormRope
-            prologue = QKNormRope(k, v, q_norm.weight, k_norm.weight, q_norm.eps, positions,
-                                  cos_sin_cache, ctx.slot_mapping)
-            return self.backend.forward_decode_qk_norm_rope(q, prologue, self.k_cache,
-                                                            self.v_cache, ctx, self.scale)
-        from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
         q = qk_norm_rope_store(positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps,
                                cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping)
         return self.backend.forward(q, self.k_cache, self.v_cache, ctx, self.scale)
