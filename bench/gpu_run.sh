@@ -12,7 +12,6 @@
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
-#                  bench-0.6b-tbo: --overlap-min-batch ${TBO:-128} (two half-batches, two streams);
 #                  bench-0.6b-tp2: split at TP=2 (the two-GPU machine)
 #   serving-0.6b   bench/serving.py: Poisson arrivals, TTFT/TPOT/ITL, with and without a front-end
 # A machine takes ~40 s to start. Set SPLITSERVE_COMMIT to the hash, written out in the command
@@ -65,7 +64,6 @@ for stage in "$@"; do
     bench-8b) timeout 240 python3 bench/throughput.py --model qwen3-8b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-30b) timeout 300 python3 bench/throughput.py --model qwen3-30b-a3b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-si4) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --stream-interval 4 --out-dir "$OUT" 2>&1 | tail -20 ;;
-    bench-0.6b-tbo) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --overlap-min-batch ${TBO:-128} --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fe0) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --frontends 0 --out-dir "$OUT" 2>&1 | tail -20 ;;
     serving-0.6b) for fe in 1 0; do timeout 200 python3 bench/serving.py --model qwen3-0.6b --device cuda \
              --frontends $fe --request-rates 16 64 inf --num-requests 512 --input-len 512 \

@@ -189,7 +189,6 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     llm = LLM(model_dir, device="cuda", load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-              overlap_min_rows=args.overlap_min_batch,
               gpu_memory_utilization=args.gpu_memory_utilization)
     llm.generate(*warm_up(prompts), ignore_eos=True)
     host = HostTimes(llm)
@@ -223,8 +222,7 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
         "--attention-backend", args.attention_backend, "--tp", str(args.tp),
         "--max-waiting-requests", "4096", "--step-timeout", "600",
         "--stream-interval", str(args.stream_interval), "--frontends", str(args.frontends),
-        *(["--enforce-eager"] if args.enforce_eager else []),
-        "--overlap-min-batch", str(args.overlap_min_batch)]
+        *(["--enforce-eager"] if args.enforce_eager else [])]
     with serve(serve_args, args.out_dir / f"serve-{args.model}.log") as address:
         warm_prompts, warm_sampling = warm_up(prompts)
 
@@ -265,8 +263,6 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--overlap-min-batch", type=int, default=0,
-                        help="serve's --overlap-min-batch (two half-batches on two streams)")
     parser.add_argument("--tp", type=int, default=1, help="split mode only")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="split mode only: serve's --stream-interval (tokens per message)")
@@ -308,7 +304,6 @@ def main() -> None:
 def _save(args, mode: str, result: dict) -> None:
     suffix = f"-si{args.stream_interval}" if mode == "split" and args.stream_interval != 1 else ""
     suffix += f"-fe{args.frontends}" if mode == "split" and args.frontends != 1 else ""
-    suffix += f"-tbo{args.overlap_min_batch}" if args.overlap_min_batch else ""
     name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 

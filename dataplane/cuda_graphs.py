@@ -4,14 +4,6 @@ A decode step launches a few hundred small kernels; replaying a captured graph c
 Each graph reads fixed input buffers: a step copies its inputs into the first n rows, pads the
 rest of its bucket (slot -1: nothing stored; sequence length 0: nothing read) and replays the
 graph of the smallest captured size >= n. Prefill and mixed steps run eagerly.
-
-With `overlap_min_rows`, a graph of at least that many rows runs its batch as two halves, each a
-whole forward pass on a stream of its own, joined before the LM head: the GPU then runs one
-half's small GEMMs and norms (latency-bound: a few microseconds each whatever their size) while
-the other half's attention streams the KV cache. Each half reads every weight, so it pays only
-where the KV cache's bytes dominate a step's (small models, large batches). Not with tensor
-parallelism: two streams' all-reduces on one communicator could interleave differently on
-different ranks.
 """
 
 import torch
@@ -28,11 +20,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int,
-                 max_model_len: int, device: torch.device, overlap_min_rows: int = 0) -> None:
+                 max_model_len: int, device: torch.device) -> None:
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
-        self.overlap_min_rows = overlap_min_rows  # 0: never
-        self.side_stream = torch.cuda.Stream(device) if overlap_min_rows else None
         self.max_model_len = max_model_len
         n = max_num_seqs
         i64 = dict(dtype=torch.int64, device=device)
@@ -45,44 +35,28 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(n, **i64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
 
-    def _context(self, start: int, end: int) -> ForwardContext:
-        """Rows [start, end) of the buffers as a batch of their own. max_seq_len: the longest a
-        request can get, so the captured split count suits any step."""
-        size = end - start
+    def _context(self, size: int) -> ForwardContext:
+        # max_seq_len: the longest a request can get, so the captured split count suits any step
         return ForwardContext(
-            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[start:end],
-            slot_mapping=self.slot_mapping[start:end], block_tables=self.block_tables[start:end],
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             logits_indices=self.logits_indices[:size], max_query_len=1,
             max_seq_len=self.max_model_len, query_start_loc_host=None, seq_lens_host=None)
 
-    def _hidden(self, start: int, end: int) -> torch.Tensor:
-        with forward_context(self._context(start, end)):
-            return self.model(self.token_ids[start:end], self.positions[start:end])
-
     def _forward(self, size: int) -> torch.Tensor | None:
-        if self.overlap_min_rows and size >= self.overlap_min_rows:
-            half = size // 2
-            main = torch.cuda.current_stream()
-            self.side_stream.wait_stream(main)
-            with torch.cuda.stream(self.side_stream):
-                second = self._hidden(half, size)  # [size - half, hidden]
-            first = self._hidden(0, half)  # [half, hidden]
-            main.wait_stream(self.side_stream)
-            hidden = torch.cat([first, second])  # [size, hidden]
-        else:
-            hidden = self._hidden(0, size)
-        with forward_context(self._context(0, size)):
-            return self.model.compute_logits(hidden)
+        hidden = self.model(self.token_ids[:size], self.positions[:size])
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller ones reuse its memory
-            self._forward(size)  # warm-up: kernel compilation, allocator
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
+            with forward_context(self._context(size)):
+                self._forward(size)  # warm-up: kernel compilation, allocator
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(size)
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
 

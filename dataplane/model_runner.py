@@ -18,7 +18,7 @@ from common.wire import pack_f32, pack_i32
 from dataplane import kv_cache
 from dataplane.attention import AttentionBackend, make_backend
 from dataplane.cuda_graphs import DecodeGraphs
-from dataplane.distributed import broadcast_from_rank0, tp_rank, tp_size
+from dataplane.distributed import broadcast_from_rank0, tp_rank
 from dataplane.forward_context import ForwardContext, forward_context
 from dataplane.input_batch import BatchLimits, InputBatch, StepInputs
 from dataplane.loader import load_config, load_model, resolve_dtype
@@ -38,9 +38,6 @@ class RunnerConfig:
     cpu_kv_cache_gib: float = 1.0  # KV cache budget on CPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the data plane may hold
     enforce_eager: bool = False  # no CUDA graphs
-    # Decode graphs of at least this many rows run two halves on two streams (cuda_graphs.py);
-    # 0: off. Ignored with tensor parallelism.
-    overlap_min_rows: int = 0
     load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
 
     def __post_init__(self) -> None:
@@ -50,8 +47,6 @@ class RunnerConfig:
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, not {self.num_kv_blocks}")
-        if self.overlap_min_rows < 0:
-            raise ValueError(f"overlap_min_rows must be >= 0, not {self.overlap_min_rows}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not "
                              f"{self.gpu_memory_utilization}")
@@ -129,8 +124,7 @@ class ModelRunner:
                 self.backend.name != "torch":
             self.graphs = DecodeGraphs(self.model, limits.max_num_seqs,
                                        batch_limits.max_blocks_per_seq, limits.max_model_len,
-                                       self.device, self.config.overlap_min_rows
-                                       if tp_size() == 1 else 0)
+                                       self.device)
             self.graphs.capture()
         return num_blocks
 

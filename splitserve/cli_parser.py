@@ -96,10 +96,6 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                         "what weights and a profiled worst-case step leave (default %(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps")
-    p.add_argument("--overlap-min-batch", type=int, default=0,
-                   help="decode batches of at least this many requests run as two halves on two "
-                        "CUDA streams, one half's GEMMs beside the other's attention; each half "
-                        "reads all weights (TP=1 only; 0: off, the default)")
     p.add_argument("--load-format", choices=("safetensors", "dummy"), default="safetensors",
                    help="dummy: random weights instead of the checkpoint's (benchmarks; the "
                         "model directory then needs only config.json and tokenizer.json)")
