@@ -9,7 +9,6 @@
 #   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k;
 #                  profile-prefill: the prompt steps of 256 requests of 562 tokens
 #   tune-decode    decode attention tiles, grid order and split counts on workload-like shapes
-#   decode-order   decode attention on those shapes, batch order against longest first
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
@@ -57,8 +56,6 @@ for stage in "$@"; do
              2>&1 | grep -v Warning | tee "$OUT/profile-prefill.log" | tail -70 ;;
     tune-decode) timeout 300 python3 bench/tune_decode.py --out "$OUT/decode_tuning.json" 2>&1 \
              | tee "$OUT/tune-decode.log" | tail -20 ;;
-    decode-order) timeout 200 python3 bench/tune_decode.py --order-only --out "$OUT/decode_order.json" \
-             2>&1 | tee "$OUT/decode-order.log" | tail -20 ;;
     gemm) timeout 200 python3 bench/gemm.py --out "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" \
              | tail -30 ;;
     profile-32) timeout 200 python3 bench/profile_decode.py --rows 32 --prompt-len 1500 2>&1 \

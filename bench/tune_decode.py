@@ -32,10 +32,8 @@ CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
 SPLITS = [1, 2, 3, 4, 6, 8, 12, 16]
 
 
-def measure(args: tuple, splits: int, config: dict, moved: int, copy_bw: float,
-            order: torch.Tensor | None = None) -> dict:
-    run = lambda: paged_decode_attention(*args, num_splits=splits, config=config,  # noqa: E731
-                                         order=order)
+def measure(args: tuple, splits: int, config: dict, moved: int, copy_bw: float) -> dict:
+    run = lambda: paged_decode_attention(*args, num_splits=splits, config=config)  # noqa: E731
     try:
         run()
         ms = bench_ms(run, rep=40)
@@ -46,7 +44,7 @@ def measure(args: tuple, splits: int, config: dict, moved: int, copy_bw: float,
 
 
 def tune_shape(model: str, rows: int, lo: int, hi: int, max_model_len: int,
-               copy_bw: float, order_only: bool = False) -> dict:
+               copy_bw: float) -> dict:
     rng = random.Random(rows)
     contexts = [rng.randint(lo, hi) for _ in range(rows)]
     p = paged_problem([1] * rows, [c - 1 for c in contexts], MODELS[model], BLOCK)
@@ -55,12 +53,6 @@ def tune_shape(model: str, rows: int, lo: int, hi: int, max_model_len: int,
     moved = kv_bytes(contexts)
     default_splits = pick_num_splits(rows, NUM_KV_HEADS, max_model_len, p["q"].device)
     default = measure(args, default_splits, {}, moved, copy_bw)
-    if order_only:  # batch order (random in length) against longest first
-        longest_first = torch.argsort(p["seq_lens"], descending=True).int()
-        return dict(model=model, rows=rows, contexts=[lo, hi], context_tokens=sum(contexts),
-                    default=default,
-                    longest_first=measure(args, default_splits, {}, moved, copy_bw,
-                                          longest_first))
     tried = [measure(args, default_splits, c, moved, copy_bw) for c in CONFIGS]
     best = min((r for r in tried if "ms" in r), key=lambda r: r["ms"])
     tried += [measure(args, s, best["config"], moved, copy_bw) for s in SPLITS]
@@ -74,8 +66,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="the bound decode graphs are captured with (bench/throughput.py's)")
-    parser.add_argument("--order-only", action="store_true",
-                        help="only the default launch in batch order against longest first")
     args = parser.parse_args()
     torch.manual_seed(0)
     started = time.time()
@@ -85,19 +75,13 @@ def main() -> None:
                   copy_bandwidth_gbps=copy_bw / 1e9, max_model_len=args.max_model_len,
                   shapes=[])
     for model, rows, lo, hi in SHAPES:
-        shape = tune_shape(model, rows, lo, hi, args.max_model_len, copy_bw, args.order_only)
+        shape = tune_shape(model, rows, lo, hi, args.max_model_len, copy_bw)
         report["shapes"].append(shape)
-        if args.order_only:
-            d, o = shape["default"], shape["longest_first"]
-            print(f"{model} {rows} rows [{lo}, {hi}]: {d['num_splits']} splits, batch order "
-                  f"{d['ms'] * 1e3:.1f} us ({100 * d['fraction_of_copy_bw']:.1f}%), longest first "
-                  f"{o['ms'] * 1e3:.1f} us ({100 * o['fraction_of_copy_bw']:.1f}%)", flush=True)
-        else:
-            d, b = shape["default"], shape["best"]
-            print(f"{model} {rows} rows [{lo}, {hi}]: default {d['num_splits']} splits "
-                  f"{d['ms'] * 1e3:.1f} us ({100 * d['fraction_of_copy_bw']:.1f}%); best "
-                  f"{b['num_splits']} splits {b['config']} {b['ms'] * 1e3:.1f} us "
-                  f"({100 * b['fraction_of_copy_bw']:.1f}%)", flush=True)
+        d, b = shape["default"], shape["best"]
+        print(f"{model} {rows} rows [{lo}, {hi}]: default {d['num_splits']} splits "
+              f"{d['ms'] * 1e3:.1f} us ({100 * d['fraction_of_copy_bw']:.1f}%); best "
+              f"{b['num_splits']} splits {b['config']} {b['ms'] * 1e3:.1f} us "
+              f"({100 * b['fraction_of_copy_bw']:.1f}%)", flush=True)
         report["seconds"] = time.time() - started
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -53,12 +53,10 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first: smaller ones reuse its memory
             with forward_context(self._context(size)):
                 self._forward(size)  # warm-up: kernel compilation, allocator
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # a context of its own: what it computes once a step (ForwardContext's cached
-            # properties) is computed inside the graph, not taken from the warm-up
-            with forward_context(self._context(size)), torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(size)
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
 

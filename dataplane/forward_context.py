@@ -52,15 +52,6 @@ class ForwardContext:
         return num
 
     @functools.cached_property
-    def decode_order(self) -> torch.Tensor:
-        """The decode requests (all of a decode-only step's, else the leading num_decodes) by
-        decreasing seq_len, int32 on the device: the order in which a decode attention kernel
-        starts their programs, so that the longest do not start last. Computed once a step, by
-        the first layer that asks (inside a captured graph: once a replay); no host sync."""
-        seq_lens = self.seq_lens if self.is_decode_only else self.seq_lens[:self.num_decodes]
-        return torch.argsort(seq_lens, descending=True).to(torch.int32)
-
-    @functools.cached_property
     def max_decode_seq_len(self) -> int:
         """The longest of the leading decodes (what their split count is picked for), from the
         host list: once a step, read by every layer."""

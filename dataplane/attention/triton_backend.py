@@ -29,15 +29,14 @@ class TritonAttention:
         if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
             return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
                                           scale, num_splits=self.num_splits,
-                                          max_seq_len=ctx.max_seq_len, order=ctx.decode_order)
+                                          max_seq_len=ctx.max_seq_len)
         num_decodes = ctx.num_decodes  # served by the decode kernel, the rest by the prefill one
         out = torch.empty_like(q)
         if num_decodes:
             paged_decode_attention(q[:num_decodes], k_cache, v_cache,
                                    ctx.block_tables[:num_decodes], ctx.seq_lens[:num_decodes],
                                    scale, num_splits=self.num_splits,
-                                   max_seq_len=ctx.max_decode_seq_len, out=out[:num_decodes],
-                                   order=ctx.decode_order)
+                                   max_seq_len=ctx.max_decode_seq_len, out=out[:num_decodes])
         paged_prefill_attention(q[num_decodes:], k_cache, v_cache,
                                 ctx.block_tables[num_decodes:],
                                 ctx.query_start_loc[num_decodes:], ctx.seq_lens[num_decodes:],

@@ -8,11 +8,6 @@ heads run side by side and read the same cache pages together (1-3% faster on th
 ranges of key tiles; each split writes its normalized partial output and its log-sum-exp, and a
 second kernel combines them. With one split the first kernel writes the output directly.
 
-Programs start in the order of `order` (a permutation of the requests, longest first, computed
-once a step: ForwardContext.decode_order). The block scheduler launches programs in grid order;
-in this order the long requests' programs run early and the last wave holds short ones, instead
-of a long request that happens to come last in the batch running alone at the end.
-
 The split ranges are computed on the device from seq_lens, so one launch configuration (grid =
 [num_kv_heads, num_reqs, num_splits]) serves any lengths: the launch is CUDA-graph capturable
 (no host sync, no value read back). A request with seq_len 0 (a padding row) writes zeros.
@@ -37,7 +32,7 @@ MAX_SPLITS = 64  # also the combine kernel's one tile height (masked): a height 
 # its values would compile variants inside served steps (graphs fix it at capture).
 @triton.jit(do_not_specialize=["num_heads", "num_splits", "stride_bt_req"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2e, num_heads, num_splits,
     stride_q_tok, stride_q_head,
@@ -45,13 +40,9 @@ def _decode_kernel(
     stride_bt_req, stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
-    if HAS_ORDER:
-        req = tl.load(order_ptr + tl.program_id(1))
-    else:
-        req = tl.program_id(1)
+    req = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -150,23 +141,20 @@ def _config(dtype: torch.dtype, head_dim: int) -> dict:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, max_seq_len: int | None = None,
-                           out: torch.Tensor | None = None, config: dict | None = None,
-                           order: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           config: dict | None = None) -> torch.Tensor:
     """q: [num_reqs, num_heads, head_dim], the one new token of each request (its k/v already
     stored); k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32, cached tokens
     including the new one. num_splits: static split count, else picked from max_seq_len (a host
     bound; the block-table width when absent). config: tile settings over the defaults (BLOCK_N,
-    num_warps, num_stages), for tuning. order: [num_reqs] int32, the requests in the order
-    their programs should start (ForwardContext.decode_order); None: batch order. Returns out:
-    [num_reqs, num_heads, head_dim]."""
+    num_warps, num_stages), for tuning. Returns out: [num_reqs, num_heads, head_dim]."""
     num_reqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     check_paged_attention_inputs(q, k_cache, v_cache)
     assert seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    assert order is None or (order.shape == (num_reqs,) and order.dtype == torch.int32)
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
@@ -185,13 +173,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_lse = out  # unused
     _decode_kernel[(num_kv_heads, num_reqs, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens,
-        out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * LOG2E, num_heads, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=block_size, IS_SPLIT=num_splits > 1, HAS_ORDER=order is not None,
+        PAGE_SIZE=block_size, IS_SPLIT=num_splits > 1,
         **(_config(q.dtype, head_dim) | (config or {})),
     )
     if num_splits > 1:

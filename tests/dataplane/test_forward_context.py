@@ -32,15 +32,3 @@ def test_a_captured_graph_has_no_host_lists_and_counts_no_decodes():
 def test_the_decodes_longest_context_ignores_the_prompts_after_them():
     assert context([1, 1, 1, 30], [5, 90, 3, 4000]).max_decode_seq_len == 90
     assert context([30, 1], [4000, 90]).max_decode_seq_len == 0
-
-
-def test_the_decode_order_puts_the_longest_decodes_first_and_leaves_prompts_out():
-    def order(query_lens, seq_lens, host=True):
-        ctx = context(query_lens, seq_lens, host)
-        ctx.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
-        return ctx.decode_order
-
-    decode_only = order([1, 1, 1, 1], [5, 90, 0, 40])
-    assert decode_only.dtype == torch.int32 and decode_only.tolist() == [1, 3, 0, 2]
-    assert order([1, 1], [7, 9], host=False).tolist() == [1, 0]  # a graph's context
-    assert order([1, 1, 30], [5, 90, 4000]).tolist() == [1, 0]  # the prompt is not a decode

@@ -23,14 +23,13 @@ HEADS = [(16, 8), (32, 8), (4, 4), (12, 4), (16, 1)]  # (q heads, kv heads): GQA
 
 
 def run_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
-             num_splits=None, max_seq_len=None, order=None):
+             num_splits=None, max_seq_len=None):
     cache = make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
     q = randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device=device, gen=gen)
     lens = int32(seq_lens, device)
     scale = head_dim ** -0.5
     out = paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, lens, scale,
-                                 num_splits=num_splits, max_seq_len=max_seq_len, out=nan_like(q),
-                                 order=order)
+                                 num_splits=num_splits, max_seq_len=max_seq_len, out=nan_like(q))
     expected = paged_decode_attention_ref(q, cache.k_cache, cache.v_cache, cache.block_tables,
                                           lens, scale)
     assert_close(out, expected, dtype)
@@ -120,18 +119,3 @@ def test_decode_replays_under_a_cuda_graph(gen):
         expected = paged_decode_attention_ref(q, cache.k_cache, cache.v_cache, tables, lens,
                                               head_dim ** -0.5)
         assert_close(out, expected, torch.bfloat16)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_the_start_order_changes_which_programs_run_first_not_the_result(dtype, num_splits,
-                                                                         device, gen):
-    """Programs visit the requests in `order` (longest first, or any permutation): every
-    request's output is still its own, padding rows included."""
-    skip_unsupported(dtype, device)
-    seq_lens = [17, 0, 300, 1, 64, 129]
-    longest_first = torch.argsort(int32(seq_lens, device), descending=True).int()
-    shuffled = torch.randperm(len(seq_lens), generator=gen).int().to(device)
-    for order in (longest_first, shuffled):
-        run_case(seq_lens, 16, 8, 128, 16, dtype, device, gen, num_splits=num_splits,
-                 order=order)
