@@ -4,7 +4,7 @@
 # $OUT. Stages:
 #   tests          the GPU-marked tests
 #   runner         the runner, serve, TP=2, sampler and elementwise-kernel tests (~70 s)
-#   smoke          the runner tests and the attention backends
+#   smoke          the runner tests, the attention backends and the sampler kernel
 #   kernels        kernel micro-benchmarks          moe   fused MoE tuning
 #   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k;
 #                  profile-prefill: the prompt steps of 256 requests of 562 tokens
@@ -45,7 +45,8 @@ for stage in "$@"; do
            grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/runner.log" | tail -60 ;;
     smoke) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
-             tests/dataplane/kernels/test_attention_backends.py > "$OUT/smoke.log" 2>&1
+             tests/dataplane/kernels/test_attention_backends.py \
+             tests/dataplane/kernels/test_gumbel_sample.py > "$OUT/smoke.log" 2>&1
            grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/smoke.log" | tail -40 ;;
     kernels) timeout 150 python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 \
              | tee "$OUT/kernels.log" | tail -40 ;;
