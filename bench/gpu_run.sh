@@ -9,6 +9,7 @@
 #   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k;
 #                  profile-prefill: the prompt steps of 256 requests of 562 tokens
 #   tune-decode    decode attention tiles, grid order and split counts on workload-like shapes
+#   host-profile   cProfile of the data plane's host time in steps that carry a prompt
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
@@ -57,6 +58,8 @@ for stage in "$@"; do
              2>&1 | grep -v Warning | tee "$OUT/profile-prefill.log" | tail -70 ;;
     tune-decode) timeout 300 python3 bench/tune_decode.py --out "$OUT/decode_tuning.json" 2>&1 \
              | tee "$OUT/tune-decode.log" | tail -20 ;;
+    host-profile) timeout 180 python3 bench/host_profile.py 2>&1 | tee "$OUT/host-profile.log" \
+             | head -60 ;;
     gemm) timeout 200 python3 bench/gemm.py --out "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" \
              | tail -30 ;;
     profile-32) timeout 200 python3 bench/profile_decode.py --rows 32 --prompt-len 1500 2>&1 \

@@ -1,0 +1,77 @@
+"""Where the data plane's host time goes in steps that carry a prompt (run eagerly, no graph):
+cProfile over ModelRunner.submit while 64 requests of --prompt-len random tokens arrive in
+waves of 4 next to running decodes, in-process on CUDA. Prints the mean host milliseconds of a
+prompt step and of a decode step and the functions with the most own time in prompt steps.
+
+    python bench/host_profile.py [--model qwen3-0.6b] [--prompt-len 512]
+"""
+
+import argparse
+import cProfile
+import io
+import pathlib
+import pstats
+import random
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from throughput import shapes  # noqa: E402
+
+from dataplane import checkpoints  # noqa: E402
+from splitserve.llm import LLM  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    args = parser.parse_args()
+    model_dir = checkpoints.write_config_only(pathlib.Path(tempfile.mkdtemp()) / args.model,
+                                              shapes(args.model))
+    llm = LLM(model_dir, device="cuda", load_format="dummy", max_num_seqs=256,
+              max_num_batched_tokens=2048, max_model_len=4096)
+    rng = random.Random(0)
+    prompt = lambda: [rng.randint(0, 10000) for _ in range(args.prompt_len)]  # noqa: E731
+    llm.generate([prompt() for _ in range(16)], max_tokens=16, ignore_eos=True)  # warm-up
+    profiler = cProfile.Profile()
+    times = {"prompt": [], "decode": []}
+    inner = llm.runner.submit
+
+    def submit(step):
+        has_prompt = bool(step.new_requests) or max(
+            np.frombuffer(step.num_scheduled_tokens, dtype="<i4"), default=0) > 1
+        start = time.perf_counter()
+        if has_prompt:
+            profiler.enable()
+        try:
+            return inner(step)
+        finally:
+            profiler.disable()
+            times["prompt" if has_prompt else "decode"].append(time.perf_counter() - start)
+    llm.runner.submit = submit
+    # 16 long-running requests decode while 48 more arrive (the engine admits them as it goes)
+    prompts = [prompt() for _ in range(64)]
+    llm.generate(prompts, [{"max_tokens": 200 if i < 16 else 8} for i in range(64)],
+                 temperature=0.6, ignore_eos=True)
+    llm.close()
+    for kind, seconds in times.items():
+        if seconds:
+            print(f"{kind} steps: {len(seconds)}, host ms per submit: mean "
+                  f"{1e3 * sum(seconds) / len(seconds):.2f}, max {1e3 * max(seconds):.2f}")
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(35)
+    print(out.getvalue()[-9000:])
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(30)
+    print(out.getvalue()[-7000:])
+
+
+if __name__ == "__main__":
+    main()
