@@ -6,6 +6,7 @@ the device group (gloo on CPU, NCCL on CUDA).
 """
 
 import datetime
+import urllib.parse
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +24,22 @@ class ParallelConfig:
 _cpu_group: dist.ProcessGroup | None = None
 
 
-def init_distributed(config: ParallelConfig, timeout_s: float = 600.0) -> None:
-    """Join the TP group (a no-op for one rank). On CUDA, rank r uses the host's device
-    r mod (devices visible): all ranks in one pod, or one rank per pod seeing one GPU."""
+def rendezvous_store(world_size: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening on a loopback port the OS picks: bound before any
+    follower is told its port (`store.port`), so no other process can take the port in between,
+    as one could a port merely seen free."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def init_distributed(config: ParallelConfig, timeout_s: float = 600.0,
+                     store: dist.Store | None = None) -> None:
+    """Join the TP group (a no-op for one rank), through `store` when rank 0 made one
+    (rendezvous_store), else config.init_method: a tcp:// address becomes a store client (or
+    its server on rank 0) in the same way, so every rank meets on the same keys (a store given
+    to torch as such and one it builds from an init method are keyed apart). On CUDA, rank r
+    uses the host's device r mod (devices visible): all ranks in one pod, or one rank per pod
+    seeing one GPU."""
     global _cpu_group
     if config.device == "cuda":
         torch.cuda.set_device(config.rank % torch.cuda.device_count())
@@ -33,8 +47,13 @@ def init_distributed(config: ParallelConfig, timeout_s: float = 600.0) -> None:
         return
     backend = "nccl" if config.device == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=config.init_method, rank=config.rank,
-                            world_size=config.world_size, timeout=timeout)
+    url = urllib.parse.urlparse(config.init_method or "")
+    if store is None and url.scheme == "tcp":
+        store = dist.TCPStore(url.hostname, url.port, config.world_size,
+                              is_master=config.rank == 0, timeout=timeout)
+    rendezvous = dict(store=store) if store is not None else dict(init_method=config.init_method)
+    dist.init_process_group(backend, rank=config.rank, world_size=config.world_size,
+                            timeout=timeout, **rendezvous)
     _cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
 
 

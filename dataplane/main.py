@@ -11,8 +11,9 @@ import torch
 
 from common.model_info import ModelInfo
 from common.process import die_with_parent
-from common.transport import LinkConfig, free_tcp_port
-from dataplane.distributed import ParallelConfig, init_distributed, shutdown_distributed
+from common.transport import LinkConfig
+from dataplane.distributed import (ParallelConfig, init_distributed, rendezvous_store,
+                                   shutdown_distributed)
 from dataplane.model_runner import ModelRunner, RunnerConfig
 from dataplane.worker import Liveness, run_follower, run_rank0
 
@@ -37,15 +38,14 @@ class DataPlaneConfig:
             raise ValueError(f"rank must be in [0, {self.tp}), not {self.rank}")
 
 
-def spawn_followers(config: DataPlaneConfig, argv: list[str]) -> tuple[str, list[subprocess.Popen]]:
-    """Start ranks 1..tp-1 with the launcher's own command line plus their rank; each dies with
-    this process."""
-    init_method = config.dist_init_method or f"tcp://127.0.0.1:{free_tcp_port()}"
-    children = [subprocess.Popen([sys.executable, "-m", "splitserve", "dataplane", *argv,
-                                  "--rank", str(rank), "--dist-init-method", init_method,
-                                  "--parent-pid", str(os.getpid())])
-                for rank in range(1, config.tp)]
-    return init_method, children
+def spawn_followers(config: DataPlaneConfig, argv: list[str], init_method: str
+                    ) -> list[subprocess.Popen]:
+    """Start ranks 1..tp-1 with the launcher's own command line plus their rank and where to
+    meet rank 0; each dies with this process."""
+    return [subprocess.Popen([sys.executable, "-m", "splitserve", "dataplane", *argv,
+                              "--rank", str(rank), "--dist-init-method", init_method,
+                              "--parent-pid", str(os.getpid())])
+            for rank in range(1, config.tp)]
 
 
 def cpu_threads(num_cores: int, tp: int) -> int:
@@ -62,9 +62,13 @@ def cpu_threads(num_cores: int, tp: int) -> int:
 def run(config: DataPlaneConfig, argv: list[str]) -> None:
     if config.parent_pid is not None:
         die_with_parent(config.parent_pid)
-    children = []
+    children, store = [], None
     if config.tp > 1 and config.rank is None:
-        init_method, children = spawn_followers(config, argv)
+        init_method = config.dist_init_method
+        if init_method is None:  # one host: a store on a port that is ours before anyone hears of it
+            store = rendezvous_store(config.tp)
+            init_method = f"tcp://127.0.0.1:{store.port}"
+        children = spawn_followers(config, argv, init_method)
         config = replace(config, rank=0, dist_init_method=init_method)
     rank = config.rank or 0
     if config.runner.device == "cpu":
@@ -73,7 +77,8 @@ def run(config: DataPlaneConfig, argv: list[str]) -> None:
             else os.cpu_count() or 1
         torch.set_num_threads(cpu_threads(num_cores, config.tp))
     try:
-        init_distributed(ParallelConfig(rank, config.tp, config.dist_init_method, config.runner.device))
+        init_distributed(ParallelConfig(rank, config.tp, config.dist_init_method,
+                                        config.runner.device), store=store)
         runner = ModelRunner.load(config.runner)
         log.info("rank %d/%d loaded %s (%s, %s attention)", rank, config.tp,
                  config.runner.model_dir, runner.dtype, runner.backend.name)

@@ -46,3 +46,22 @@ def check_tp2_logits(path, tmp_path):
     torch.testing.assert_close(got["prefill"][1], ref[1], atol=ATOL, rtol=0)
     torch.testing.assert_close(got["chunk"][0], ref[2], atol=ATOL, rtol=0)
     assert list(unpack_i32(got["sampled"])) == [int(ref[1].argmax())]
+
+
+def test_rank0s_rendezvous_store_holds_its_port_before_any_follower_hears_of_it():
+    """A port merely seen free could be taken before rank 0 binds it; the store's is bound
+    from the start (nothing else can bind it) and followers reach it as a client."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from dataplane.distributed import rendezvous_store
+    store = rendezvous_store(2, timeout_s=10)
+    assert store.port > 0
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))
+    follower = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False,
+                             timeout=datetime.timedelta(seconds=10))
+    follower.set("hello", "rank 1")
+    assert store.get("hello") == b"rank 1"
