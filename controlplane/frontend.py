@@ -32,6 +32,7 @@ from protos import frontend_pb2, generation_pb2
 log = logging.getLogger("splitserve.frontend")
 
 _ENGINE_SILENT_S = 5.0  # the engine reports every second; silent this long: not live
+_MESSAGES_PER_TURN = 16  # the reader yields to the RPC handlers after this many
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,12 @@ class Frontend:
     # -- the engine ----------------------------------------------------------------------------
 
     async def _reader(self) -> None:
-        while True:
+        """Hands each reply to its call's queue. Awaiting a message that is already queued does
+        not suspend, so after a backlog the reader yields every _MESSAGES_PER_TURN messages:
+        the handlers that write the replies to the clients run in between."""
+        for count in itertools.count(1):
+            if count % _MESSAGES_PER_TURN == 0:
+                await asyncio.sleep(0)
             message = frontend_pb2.ToFrontend.FromString(await self._sock.recv())
             for reply in message.replies:
                 replies = self._calls.get(reply.call_id)

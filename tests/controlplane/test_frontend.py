@@ -70,3 +70,31 @@ def test_piled_up_responses_merge_into_one_in_order_with_the_last_ones_end():
     assert (merged.usage.prompt_tokens, merged.usage.completion_tokens) == (5, 4)
     one = parts[0].SerializeToString()
     assert _merged([one]) is one
+
+
+def test_the_reader_lets_the_handlers_run_while_it_drains_a_backlog():
+    """500 replies already queued: receiving each completes at once (awaiting it does not
+    suspend), so a reader that never yields would hand out all 500 before any stream's handler
+    wrote one to its client."""
+    from controlplane.frontend import Frontend
+
+    async def main():
+        frontend = Frontend(types.SimpleNamespace())
+        backlog = [frontend_pb2.ToFrontend(replies=[frontend_pb2.Reply(call_id=1)])
+                   .SerializeToString() for _ in range(500)]
+
+        async def recv():
+            if backlog:
+                return backlog.pop()
+            await asyncio.Event().wait()  # then nothing more comes
+        frontend._sock = types.SimpleNamespace(recv=recv)
+        replies = frontend._calls[1] = asyncio.Queue()
+        reader = asyncio.create_task(frontend._reader())
+        await asyncio.sleep(0)  # the reader starts
+        seen_first = replies.qsize()
+        while replies.qsize() < 500:
+            await asyncio.sleep(0)
+        reader.cancel()
+        return seen_first
+
+    assert asyncio.run(main()) < 500
