@@ -9,6 +9,8 @@
 #   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k;
 #                  profile-prefill: the prompt steps of 256 requests of 562 tokens
 #   tune-decode    decode attention tiles, grid order and split counts on workload-like shapes
+#   ncu-decode     Nsight Compute on one decode attention launch at 64 and 256 rows (stall
+#                  reasons, occupancy; Firecracker machines only: ../.library/device/KINDS.md)
 #   host-profile   cProfile of the data plane's host time in steps that carry a prompt
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise
@@ -60,6 +62,12 @@ for stage in "$@"; do
              | tee "$OUT/tune-decode.log" | tail -20 ;;
     host-profile) timeout 180 python3 bench/host_profile.py 2>&1 | tee "$OUT/host-profile.log" \
              | head -60 ;;
+    ncu-decode) for rows in 64 256; do timeout 150 ncu --clock-control none \
+             --kernel-name regex:_decode_kernel --launch-skip 5 --launch-count 1 \
+             --section LaunchStats --section Occupancy --section WarpStateStats \
+             --section SchedulerStats --section MemoryWorkloadAnalysis \
+             python3 bench/tune_decode.py --once $rows > "$OUT/ncu-decode-$rows.log" 2>&1
+             tail -80 "$OUT/ncu-decode-$rows.log"; done ;;
     gemm) timeout 200 python3 bench/gemm.py --out "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" \
              | tail -30 ;;
     profile-32) timeout 200 python3 bench/profile_decode.py --rows 32 --prompt-len 1500 2>&1 \

@@ -43,15 +43,32 @@ def measure(args: tuple, splits: int, config: dict, moved: int, copy_bw: float) 
                 fraction_of_copy_bw=moved / (ms * 1e-3) / copy_bw)
 
 
-def tune_shape(model: str, rows: int, lo: int, hi: int, max_model_len: int,
-               copy_bw: float) -> dict:
+def problem(model: str, rows: int, lo: int, hi: int, max_model_len: int
+            ) -> tuple[tuple, list[int], int]:
+    """A decode batch of `rows` requests with contexts uniform in [lo, hi]: the kernel's
+    arguments, the contexts and the split count a graph captured at max_model_len picks."""
     rng = random.Random(rows)
     contexts = [rng.randint(lo, hi) for _ in range(rows)]
     p = paged_problem([1] * rows, [c - 1 for c in contexts], MODELS[model], BLOCK)
     args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["seq_lens"],
             HEAD_DIM ** -0.5)
+    return args, contexts, pick_num_splits(rows, NUM_KV_HEADS, max_model_len, p["q"].device)
+
+
+def run_once(rows: int, max_model_len: int) -> None:
+    """The default launch on the 0.6B shape of SHAPES with `rows` requests, ten times and
+    untimed: for a profiler (gpu_run.sh ncu-decode) to look at one launch."""
+    model, _, lo, hi = next(s for s in SHAPES if s[0] == "qwen3-0.6b" and s[1] == rows)
+    args, _, splits = problem(model, rows, lo, hi, max_model_len)
+    for _ in range(10):
+        paged_decode_attention(*args, num_splits=splits)
+    torch.cuda.synchronize()
+
+
+def tune_shape(model: str, rows: int, lo: int, hi: int, max_model_len: int,
+               copy_bw: float) -> dict:
+    args, contexts, default_splits = problem(model, rows, lo, hi, max_model_len)
     moved = kv_bytes(contexts)
-    default_splits = pick_num_splits(rows, NUM_KV_HEADS, max_model_len, p["q"].device)
     default = measure(args, default_splits, {}, moved, copy_bw)
     tried = [measure(args, default_splits, c, moved, copy_bw) for c in CONFIGS]
     best = min((r for r in tried if "ms" in r), key=lambda r: r["ms"])
@@ -63,11 +80,18 @@ def tune_shape(model: str, rows: int, lo: int, hi: int, max_model_len: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="the bound decode graphs are captured with (bench/throughput.py's)")
+    parser.add_argument("--once", type=int, default=None, metavar="ROWS",
+                        help="only launch the default config on that 0.6B shape, untimed (for ncu)")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.once is not None:
+        run_once(args.once, args.max_model_len)
+        return
+    if args.out is None:
+        parser.error("--out is required unless --once")
     started = time.time()
     copy_bw = copy_bandwidth()
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
