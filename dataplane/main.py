@@ -65,7 +65,7 @@ def run(config: DataPlaneConfig, argv: list[str]) -> None:
     children, store = [], None
     if config.tp > 1 and config.rank is None:
         init_method = config.dist_init_method
-        if init_method is None:  # one host: a store on a port that is ours before anyone hears of it
+        if init_method is None:  # one host: a store whose port is ours before anyone hears of it
             store = rendezvous_store(config.tp)
             init_method = f"tcp://127.0.0.1:{store.port}"
         children = spawn_followers(config, argv, init_method)
