@@ -133,6 +133,15 @@ class HostTimes:
                 for name in self.seconds}
 
 
+def step_shape(step) -> tuple[int, int, int]:
+    """A Step message's (requests, new tokens, cached + new tokens). More tokens than requests:
+    a step with prompt tokens, run eagerly (the engine's StepTimes uses the same rule)."""
+    scheduled = np.frombuffer(step.num_scheduled_tokens, dtype=np.int32)
+    computed = np.frombuffer(step.num_computed_tokens, dtype=np.int32)
+    tokens = int(scheduled.sum())
+    return len(scheduled), tokens, int(computed.sum()) + tokens
+
+
 class DeviceTimeline:
     """When the device works and when it waits, in the in-process run: a timing event before
     and after each step's device work (it fires when the device gets there), so a step's device
@@ -163,10 +172,7 @@ class DeviceTimeline:
         gaps = [0.0] + [a[1].elapsed_time(b[0]) / 1e3 for a, b in zip(self.steps, self.steps[1:])]
         buckets: dict[str, list] = {}
         for (_, _, step), b, g in zip(self.steps, busy, gaps):
-            scheduled = np.frombuffer(step.num_scheduled_tokens, dtype=np.int32)
-            computed = np.frombuffer(step.num_computed_tokens, dtype=np.int32)
-            rows, tokens = len(scheduled), int(scheduled.sum())
-            context = int(computed.sum()) + tokens
+            rows, tokens, context = step_shape(step)
             kind = "mixed" if tokens > rows else f"decode {min(256, -(-rows // 32) * 32)}"
             buckets.setdefault(kind, []).append((b, g, context))
         return {"device_busy_s": sum(busy), "device_idle_s": sum(gaps),

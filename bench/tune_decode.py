@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="the bound decode graphs are captured with (bench/throughput.py's)")
     parser.add_argument("--once", type=int, default=None, metavar="ROWS",
+                        choices=[rows for model, rows, _, _ in SHAPES if model == "qwen3-0.6b"],
                         help="only launch the default config on that 0.6B shape, untimed (for ncu)")
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -4,9 +4,10 @@ One program handles one (kv head, request, split): the GROUP query heads that sh
 are stacked as the rows of one tile (padded to 16 for tl.dot), so each K/V tile is read from HBM
 once per kv head, not once per query head. The kv head is the grid's fastest axis: a request's
 heads run side by side and read the same cache pages together (1-3% faster on the H200 at
-128-256 requests than request-fastest, with the same tiles). Long contexts are cut into `num_splits` contiguous
-ranges of key tiles; each split writes its normalized partial output and its log-sum-exp, and a
-second kernel combines them. With one split the first kernel writes the output directly.
+128-256 requests than request-fastest, with the same tiles). Long contexts are cut into
+`num_splits` contiguous ranges of key tiles; each split writes its normalized partial output
+and its log-sum-exp, and a second kernel combines them. With one split the first kernel writes
+the output directly.
 
 The split ranges are computed on the device from seq_lens, so one launch configuration (grid =
 [num_kv_heads, num_reqs, num_splits]) serves any lengths: the launch is CUDA-graph capturable

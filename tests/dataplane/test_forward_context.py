@@ -13,7 +13,8 @@ def context(query_lens: list[int], seq_lens: list[int] | None = None,
     seq_lens = seq_lens if seq_lens is not None else [q + 10 for q in query_lens]
     return ForwardContext(query_start_loc=empty, seq_lens=empty, slot_mapping=empty,
                           block_tables=empty, logits_indices=empty,
-                          max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
+                          max_query_len=max(query_lens, default=0),
+                          max_seq_len=max(seq_lens, default=0),
                           query_start_loc_host=cumsum0(query_lens) if host else None,
                           seq_lens_host=seq_lens if host else None)
 
