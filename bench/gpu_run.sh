@@ -8,7 +8,8 @@
 #   kernels        kernel micro-benchmarks          moe   fused MoE tuning
 #   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k;
 #                  profile-prefill: the prompt steps of 256 requests of 562 tokens
-#   tune-decode    decode attention tiles, grid order and split counts on workload-like shapes
+#   decode-tests   the decode attention kernel's tests (merges repeated 200 times on one plan)
+#   tune-decode    decode attention configs and programs per SM on workload-like shapes
 #   ncu-decode     Nsight Compute on one decode attention launch at 64 and 256 rows (stall
 #                  reasons, occupancy; Firecracker machines only: ../.library/device/KINDS.md)
 #   host-profile   cProfile of the data plane's host time in steps that carry a prompt
@@ -51,6 +52,10 @@ for stage in "$@"; do
              tests/dataplane/kernels/test_attention_backends.py \
              tests/dataplane/kernels/test_gumbel_sample.py > "$OUT/smoke.log" 2>&1
            grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/smoke.log" | tail -40 ;;
+    decode-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
+             --timeout 240 --tb=short tests/dataplane/kernels/test_paged_decode_attention.py \
+             > "$OUT/decode-tests.log" 2>&1
+           grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/decode-tests.log" | tail -40 ;;
     kernels) timeout 150 python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 \
              | tee "$OUT/kernels.log" | tail -40 ;;
     moe) timeout 300 python3 bench/fused_moe.py --out "$OUT/fused_moe.json" 2>&1 | tail -30 ;;

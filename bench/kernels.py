@@ -28,7 +28,7 @@ from triton.testing import do_bench
 import run_info
 
 from dataplane.kernels.paged_decode_attention import (paged_decode_attention,
-                                                      paged_decode_attention_ref, pick_num_splits)
+                                                      paged_decode_attention_ref, plan_decode)
 from dataplane.kernels.paged_prefill_attention import (paged_prefill_attention,
                                                        paged_prefill_attention_ref)
 from dataplane.kernels.rmsnorm import fused_add_rms_norm, rms_norm_ref
@@ -127,12 +127,12 @@ def decode_case(model: str, batch: int, context: int, fa4: Callable | None, copy
     p = paged_problem([1] * batch, [context - 1] * batch, num_heads, BLOCK)
     args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["seq_lens"],
             HEAD_DIM ** -0.5)
-    out = paged_decode_attention(*args, max_seq_len=context)
-    ms = bench_ms(lambda: paged_decode_attention(*args, max_seq_len=context))
+    plan = plan_decode(*args[:2], *args[3:5])
+    out = paged_decode_attention(*args, plan=plan)
+    ms = bench_ms(lambda: paged_decode_attention(*args, plan=plan))
     moved = kv_bytes([context] * batch) + 2 * p["q"].numel() * DTYPE.itemsize
     row = dict(kernel="decode_attention", model=model, batch=batch, context=context,
-               num_splits=pick_num_splits(batch, NUM_KV_HEADS, context, p["q"].device),
-               ms=ms, gb_moved=moved / 1e9, gbps=moved / ms / 1e6,
+               num_programs=plan.num_programs, ms=ms, gb_moved=moved / 1e9, gbps=moved / ms / 1e6,
                fraction_of_copy_bw=moved / (ms * 1e-3) / copy_bw)
     if batch * context <= REF_TOKEN_LIMIT:
         ref = paged_decode_attention_ref(*args)
@@ -215,21 +215,23 @@ def elementwise_rows(model: str, num_tokens: int, copy_bw: float) -> list[dict]:
 
 
 def sweep_rows(copy_bw: float) -> list[dict]:
-    """Decode tiles and split counts, prefill tiles, on a few shapes; each config a row."""
+    """Decode tiles and program counts, prefill tiles, on a few shapes; each config a row."""
     rows = []
     for model, batch, context in SWEEP_DECODE_SHAPES:
         p = paged_problem([1] * batch, [context - 1] * batch, MODELS[model], BLOCK)
         args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["seq_lens"],
                 HEAD_DIM ** -0.5)
         moved = kv_bytes([context] * batch)
-        configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
-                   for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-        for splits in (1, 2, 4, 8, 16, 32, None):
-            for config in configs if splits is None else [{}]:
-                rows.append(measure_config("decode_attention", dict(
-                    model=model, batch=batch, context=context, num_splits=splits, config=config),
-                    lambda: paged_decode_attention(*args, num_splits=splits, max_seq_len=context,
-                                                   config=config), moved, copy_bw))
+        configs = [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4)]
+        for block_n in (32, 64, 128):
+            for programs in (8, 16, 32, 64, None):
+                plan = plan_decode(*args[:2], *args[3:5], num_programs=programs, block_n=block_n)
+                for config in configs if programs is None else [{}]:
+                    rows.append(measure_config("decode_attention", dict(
+                        model=model, batch=batch, context=context, num_programs=programs,
+                        config=config | dict(BLOCK_N=block_n)),
+                        lambda: paged_decode_attention(*args, plan=plan, config=config), moved,
+                        copy_bw))
     for model, case in SWEEP_PREFILL_CASES:
         name, query_lens, cached_lens = PREFILL_CASES[case]
         p = paged_problem(query_lens, cached_lens, MODELS[model], BLOCK)
@@ -277,7 +279,7 @@ def run_guarded(label: str, fn: Callable[[], dict | list[dict]], results: list[d
 
 def format_row(row: dict) -> str:
     what = " ".join(str(row[k]) for k in ("kernel", "model", "case", "batch", "context",
-                                          "num_tokens", "num_splits", "config") if k in row)
+                                          "num_tokens", "num_programs", "config") if k in row)
     if "error" in row:
         return f"{what:70s} ERROR {row['error']}"
     fa4 = row.get("fa4_ms")

@@ -36,7 +36,6 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
 
     def _context(self, size: int) -> ForwardContext:
-        # max_seq_len: the longest a request can get, so the captured split count suits any step
         return ForwardContext(
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],

@@ -30,6 +30,10 @@ class ForwardContext:
     max_seq_len: int
     query_start_loc_host: list[int] | None
     seq_lens_host: list[int] | None
+    # What the attention backend derives from the batch once a forward and every layer reads
+    # (the Triton decode kernel's tile list). The first attention layer clears it, so each
+    # forward rebuilds it on the device, inside a CUDA graph's capture too.
+    attention_plan: object | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -50,14 +54,6 @@ class ForwardContext:
         while num + 1 < len(starts) and starts[num + 1] == num + 1:
             num += 1
         return num
-
-    @functools.cached_property
-    def max_decode_seq_len(self) -> int:
-        """The longest of the leading decodes (what their split count is picked for), from the
-        host list: once a step, read by every layer."""
-        if not self.num_decodes:
-            return 0
-        return max(self.seq_lens_host[:self.num_decodes])
 
 
 _current: ForwardContext | None = None

@@ -30,5 +30,5 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     kv = torch.zeros(2, len(layers), num_blocks, block_size, layers[0].num_kv_heads,
                      layers[0].head_dim, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
-        layer.bind_kv_cache(kv[0, i], kv[1, i], backend)
+        layer.bind_kv_cache(kv[0, i], kv[1, i], backend, is_first_layer=i == 0)
     return kv

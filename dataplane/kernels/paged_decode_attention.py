@@ -1,21 +1,28 @@
-"""Paged attention for decode: one query token per request, GQA, split-KV (flash-decoding).
+"""Paged attention for decode: one query token per request, GQA, as a persistent kernel over one
+flat list of key tiles (the lean-attention / stream-K schedule).
 
-One program handles one (kv head, request, split): the GROUP query heads that share the kv head
-are stacked as the rows of one tile (padded to 16 for tl.dot), so each K/V tile is read from HBM
-once per kv head, not once per query head. The kv head is the grid's fastest axis: a request's
-heads run side by side and read the same cache pages together (1-3% faster on the H200 at
-128-256 requests than request-fastest, with the same tiles). Long contexts are cut into
-`num_splits` contiguous ranges of key tiles; each split writes its normalized partial output
-and its log-sum-exp, and a second kernel combines them. With one split the first kernel writes
-the output directly.
+Every request's cached keys are cut into BLOCK_N-key tiles, and the tiles of all requests, in
+request order, form one list: the step's *plan*, built on the device once per forward by
+`plan_decode` (the tiles' requests, valid key counts and block ids, copied out of the block
+tables). For each kv head a fixed number of programs, about as many as the GPU holds at once,
+take equal contiguous ranges of that list and walk them in one software-pipelined loop, so that
+every program moves the same bytes (no wave of short programs waiting for a long one) and the
+next request's first tile is loaded while the last one's is reduced (no per-request start-up
+chain of seq_len -> block ids -> first tile). The GROUP query heads that share a kv head are the
+rows of one tile (padded to 16 for tl.dot): each K/V tile is read from HBM once per kv head.
 
-The split ranges are computed on the device from seq_lens, so one launch configuration (grid =
-[num_kv_heads, num_reqs, num_splits]) serves any lengths: the launch is CUDA-graph capturable
-(no host sync, no value read back). A request with seq_len 0 (a padding row) writes zeros.
+A request wholly inside one program's range is written directly. A request cut by a range
+boundary leaves one normalized partial output and log-sum-exp per piece; the program that
+finishes its last piece (an atomic counter per (kv head, request)) merges them and resets the
+counter. A request with seq_len 0 (a padding row) is one empty tile and writes zeros.
+
+The plan and the launch depend only on the batch size and the block-table width, never on the
+lengths: a CUDA graph captures them once (nothing is read back on the host).
 """
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,170 +31,318 @@ import triton.language as tl
 from dataplane.kernels.paged_inputs import check_paged_attention_inputs
 
 LOG2E = 1.4426950408889634
-MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed costs outweigh the parallelism it adds
-MAX_SPLITS = 64  # also the combine kernel's one tile height (masked): a height per split count
-# would compile a variant in the first eager step (a mixed step's decodes) that needs it
+MAX_PROGRAMS_PER_SM = 8  # bounds the partial-output scratch a plan allocates
+PLAN_CHUNK = 128  # ids the plan kernel moves per vector op
+# tile_info's bits above the valid key count (bits 0-15): first tile, last tile, page offset
+_FIRST, _LAST, _OFFSET = tl.constexpr(16), tl.constexpr(17), tl.constexpr(18)
 
 
-# The block-table row stride is the longest request's block count in an eager step: specialized,
-# its values would compile variants inside served steps (graphs fix it at capture).
-@triton.jit(do_not_specialize=["num_heads", "num_splits", "stride_bt_req"])
-def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2e, num_heads, num_splits,
-    stride_q_tok, stride_q_head,
-    stride_cache_block, stride_cache_tok, stride_cache_head,
-    stride_bt_req, stride_out_tok, stride_out_head,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    kv_head = tl.program_id(0)
-    req = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + req)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
-    rows = tl.arange(0, BLOCK_H)
-    row_mask = rows < GROUP
-    heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
-                mask=row_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
-
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
-    for tile in range(tile_lo, tile_hi):
-        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_mask = keys < seq_len
-        blocks = tl.load(bt_row + keys // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
-        offs = (blocks * stride_cache_block + (keys % PAGE_SIZE) * stride_cache_tok
-                + kv_head * stride_cache_head)  # [BLOCK_N]
-        k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-        s = tl.where(key_mask[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
-
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # an empty split or request: zeros
-    if not IS_SPLIT:
-        dst = out_ptr + req * stride_out_tok + heads[:, None] * stride_out_head + dims[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-    else:
-        part = (req * num_heads + heads) * num_splits + split  # [BLOCK_H]
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=row_mask[:, None])
-        tl.store(part_lse_ptr + part, m + tl.log2(l), mask=row_mask)  # -inf when empty
-
-
-@triton.jit(do_not_specialize=["num_heads", "num_splits"])
-def _combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_out_tok, stride_out_head,
-    HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+@triton.jit(do_not_specialize=["num_reqs", "num_kv_heads", "stride_bt_req"])
+def _plan_kernel(
+    seq_lens_ptr, block_tables_ptr, num_reqs, num_kv_heads, stride_bt_req,
+    tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     req = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_SPLITS)
-    dims = tl.arange(0, HEAD_DIM)
-    part = (req * num_heads + head) * num_splits + splits  # [BLOCK_SPLITS]
-    lse = tl.load(part_lse_ptr + part, mask=splits < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lse_max))
-    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-                    mask=(splits < num_splits)[:, None], other=0.0)  # [BLOCK_SPLITS, HEAD_DIM]
-    total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + req * stride_out_tok + head * stride_out_head + dims,
-             out.to(out_ptr.dtype.element_ty))
+    start = tl.zeros([], tl.int32)  # this request's first tile: one or more per earlier request
+    for lo in range(0, req, CHUNK):
+        idx = lo + tl.arange(0, CHUNK)
+        lens = tl.load(seq_lens_ptr + idx, mask=idx < req, other=0)
+        start += tl.sum(tl.where(idx < req, tl.maximum(tl.cdiv(lens, BLOCK_N), 1), 0), 0)
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_tiles = tl.maximum(tl.cdiv(seq_len, BLOCK_N), 1)
+    tl.store(req_tile_start_ptr + req, start)
+    if req == num_reqs - 1:
+        tl.store(req_tile_start_ptr + num_reqs, start + num_tiles)  # the list's length
+    for head in range(0, num_kv_heads):
+        tl.store(counters_ptr + head * num_reqs + req, 0)
+
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
+    num_pages = tl.cdiv(seq_len, PAGE_SIZE)
+    for lo in range(0, num_tiles * TILE_PAGES, CHUNK):
+        idx = lo + tl.arange(0, CHUNK)  # [CHUNK]: tile idx // TILE_PAGES, its page idx % ...
+        page = (idx // TILE_PAGES) * BLOCK_N // PAGE_SIZE + idx % TILE_PAGES
+        ids = tl.load(bt_row + page, mask=page < num_pages, other=0)
+        tl.store(tile_blocks_ptr + start * TILE_PAGES + idx, ids, mask=idx < num_tiles * TILE_PAGES)
+    for lo in range(0, num_tiles, CHUNK):
+        tile = lo + tl.arange(0, CHUNK)
+        valid = tl.minimum(tl.maximum(seq_len - tile * BLOCK_N, 0), BLOCK_N)
+        info = (valid | ((tile == 0).to(tl.int32) << _FIRST)
+                | ((tile == num_tiles - 1).to(tl.int32) << _LAST)
+                | (((tile * BLOCK_N) % PAGE_SIZE) << _OFFSET))
+        tl.store(tile_info_ptr + start + tile, info, mask=tile < num_tiles)
+        tl.store(tile_req_ptr + start + tile, tile * 0 + req, mask=tile < num_tiles)
+
+
+@triton.jit
+def _piece(kv_head, prog, slot, num_progs, GROUP: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rows of the partial buffers for one program's piece: slot 0 holds the piece of the
+    request its range starts in, slot 1 that of the request it ends in."""
+    return ((kv_head * num_progs + prog) * 2 + slot) * GROUP + tl.arange(0, BLOCK_H)
+
+
+@triton.jit
+def _merge_pieces(
+    req, kv_head, total, active, num_progs, num_reqs, out_ptr, req_tile_start_ptr, counters_ptr,
+    part_out_ptr, part_lse_ptr, stride_out_tok, stride_out_head,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Count this program's piece of `req` in; the program that brings the last piece merges
+    every piece (its own included) into the output and resets the counter."""
+    first = tl.load(req_tile_start_ptr + req)
+    end = tl.load(req_tile_start_ptr + req + 1)
+    # the programs whose ranges hold the request's first and last tiles
+    prog_lo = ((first + 1) * active - 1) // total
+    prog_hi = (end * active - 1) // total
+    counter = counters_ptr + kv_head * num_reqs + req
+    tl.debug_barrier()  # every thread's partial stores issued before the release below
+    count = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if count == prog_hi - prog_lo:
+        rows = tl.arange(0, BLOCK_H)
+        row_mask = rows < GROUP
+        dims = tl.arange(0, HEAD_DIM)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        weight = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for prog in range(prog_lo, prog_hi + 1):
+            slot = ((prog == prog_lo) & (first > prog_lo * total // active)).to(tl.int32)
+            piece = _piece(kv_head, prog, slot, num_progs, GROUP, BLOCK_H)
+            lse = tl.load(part_lse_ptr + piece, mask=row_mask, other=float("-inf"),
+                          cache_modifier=".cg")
+            part = tl.load(part_out_ptr + piece[:, None] * HEAD_DIM + dims[None, :],
+                           mask=row_mask[:, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_ref)
+            beta = tl.exp2(lse - m_ref)
+            acc = acc * alpha[:, None] + part * beta[:, None]
+            weight = weight * alpha + beta
+            m = m_new
+        out = acc / tl.where(weight == 0.0, 1.0, weight)[:, None]
+        heads = kv_head * GROUP + rows
+        tl.store(out_ptr + req * stride_out_tok + heads[:, None] * stride_out_head
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(counter, 0)
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr,
+    part_out_ptr, part_lse_ptr, scale_log2e, num_reqs,
+    stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
+    stride_out_tok, stride_out_head,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    prog = tl.program_id(1)
+    num_progs = tl.num_programs(1)
+    total = tl.load(req_tile_start_ptr + num_reqs)
+    active = tl.minimum(num_progs, total)  # every active program gets at least one tile
+    if prog < active:
+        tile_lo = prog * total // active
+        tile_hi = (prog + 1) * total // active
+        rows = tl.arange(0, BLOCK_H)
+        row_mask = rows < GROUP
+        heads = kv_head * GROUP + rows
+        dims = tl.arange(0, HEAD_DIM)
+        keys = tl.arange(0, BLOCK_N)
+        first_req = tl.load(tile_req_ptr + tile_lo)
+        started = tl.zeros([], tl.int32)  # 1: the current request's first tile is in this range
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for tile in range(tile_lo, tile_hi):
+            req = tl.load(tile_req_ptr + tile)
+            info = tl.load(tile_info_ptr + tile)
+            is_last = (info >> _LAST) & 1
+            started = tl.where(((info >> _FIRST) & 1) == 1, 1, started)
+            key_mask = keys < (info & 0xFFFF)
+            if PAGE_SIZE > BLOCK_N:  # tiles start inside pages
+                in_page = (info >> _OFFSET) + keys  # [BLOCK_N]
+            else:  # tiles start at page starts: the block ids' address waits for no load
+                in_page = keys
+            blocks = tl.load(tile_blocks_ptr + tile * TILE_PAGES + in_page // PAGE_SIZE)
+            offs = (blocks.to(tl.int64) * stride_cache_block
+                    + (in_page % PAGE_SIZE) * stride_cache_tok
+                    + kv_head * stride_cache_head)  # [BLOCK_N]
+            q = tl.load(q_ptr + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
+                        + dims[None, :], mask=row_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
+            k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None],
+                        other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+            s = tl.where(key_mask[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty tile: no -inf - -inf
+            alpha = tl.exp2(m - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None],
+                        other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+            if (is_last == 1) | (tile == tile_hi - 1):
+                out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+                if (is_last == 1) & (started == 1):
+                    dst = (out_ptr + req * stride_out_tok + heads[:, None] * stride_out_head
+                           + dims[None, :])
+                    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+                else:  # a piece of a request this range shares with its neighbours
+                    slot = tl.where(req == first_req, 0, 1)
+                    piece = _piece(kv_head, prog, slot, num_progs, GROUP, BLOCK_H)
+                    tl.store(part_out_ptr + piece[:, None] * HEAD_DIM + dims[None, :], out,
+                             mask=row_mask[:, None])
+                    tl.store(part_lse_ptr + piece, m + tl.log2(l), mask=row_mask)
+                m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+                l = tl.zeros([BLOCK_H], tl.float32)
+                acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+
+        first_info = tl.load(tile_info_ptr + tile_lo)
+        last_req = tl.load(tile_req_ptr + tile_hi - 1)
+        last_info = tl.load(tile_info_ptr + tile_hi - 1)
+        first_cut = 1 - ((first_info >> _FIRST) & 1)  # 1: begun by an earlier range
+        last_cut = 1 - ((last_info >> _LAST) & 1)  # 1: finished by a later range
+        if first_cut == 1:
+            _merge_pieces(first_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
+                          req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
+                          stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
+        if (last_cut == 1) & ((last_req != first_req) | (first_cut == 0)):
+            _merge_pieces(last_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
+                          req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
+                          stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
 
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4  # the interpreter: any small number exercises the split logic
+        return 4  # the interpreter: any small number exercises the cut requests
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int,
-                    device: torch.device) -> int:
-    """Splits per request so that the grid covers the GPU a few times over: batches large enough
-    to fill it on their own get one split; a single long request gets many. Static for a given
-    (batch, max_seq_len), so CUDA graphs capture it with the bound they are captured for."""
-    programs = max(1, num_reqs * num_kv_heads)
-    wanted = -(-4 * _num_sms(device) // programs)
-    useful = -(-max(1, max_seq_len) // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, useful, MAX_SPLITS))
+_resident_per_sm: dict[tuple, int] = {}  # compiled variant -> its programs one SM holds at once
+
+
+def _programs_per_head(device: torch.device, num_kv_heads: int, cap: int, args: tuple,
+                       constexprs: dict) -> int:
+    """Programs per kv head that fill every SM once: as many as one SM holds of the compiled
+    kernel (its shared memory, 1 KB of it reserved per program, registers, threads). More
+    would run as a second, partial wave; fewer would leave bandwidth unused."""
+    if device.type != "cuda":
+        return max(1, min(cap, _num_sms(device) * 3 // num_kv_heads))
+    key = (device, args[0].dtype, tuple(sorted(constexprs.items())))
+    if key not in _resident_per_sm:
+        compiled = _decode_kernel.warmup(*args, grid=(1, 1), **constexprs)  # compiles only
+        compiled._init_handles()  # loads the binary, which gives its register count
+        props = torch.cuda.get_device_properties(device)
+        threads = 32 * constexprs["num_warps"]
+        _resident_per_sm[key] = max(1, min(
+            props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024),
+            65536 // (-(-compiled.n_regs // 8) * 8 * threads),
+            props.max_threads_per_multi_processor // threads))
+    return max(1, min(cap, _num_sms(device) * _resident_per_sm[key] // num_kv_heads))
 
 
 def _config(dtype: torch.dtype, head_dim: int) -> dict:
     if dtype == torch.float32:  # tests only: exact fp32 dots, tiles small enough for shared memory
         return dict(BLOCK_N=16, DOT_PRECISION="ieee", num_warps=4, num_stages=2)
     # Measured on the H200 (bench/tune_decode.py, bench/results/h200/decode_tuning.json): 128-key
-    # tiles in two stages beat 64 in three by 3-5% at 128-256 requests of varied lengths; at 64
-    # repeated timings of one config differ more than the configs do.
+    # tiles in two stages beat 64 in three by 3-5% at 128-256 requests of varied lengths.
     return dict(BLOCK_N=128 if head_dim <= 128 else 64, DOT_PRECISION="tf32", num_warps=4,
                 num_stages=2)
 
 
+@dataclass
+class DecodePlan:
+    """The step's tile list and the scratch its launches share (one per forward, built by
+    `plan_decode`, reused by every layer)."""
+
+    num_reqs: int
+    block_n: int
+    num_programs: int | None  # per kv head; None: as many as fill the GPU once
+    max_programs: int  # per kv head, what the partial scratch holds
+    tile_req: torch.Tensor  # [max_tiles] int32: the request of each tile
+    tile_info: torch.Tensor  # [max_tiles] int32: valid keys | first, last flags | page offset
+    tile_blocks: torch.Tensor  # [max_tiles * tile_pages] int32: each tile's block ids
+    req_tile_start: torch.Tensor  # [num_reqs + 1] int32: first tile of each request; total
+    counters: torch.Tensor  # [num_kv_heads, num_reqs] int32: pieces merged so far (zeros)
+    part_out: torch.Tensor  # [num_kv_heads, max_programs, 2, group, head_dim] float32
+    part_lse: torch.Tensor  # [num_kv_heads, max_programs, 2, group] float32
+
+
+def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, num_programs: int | None = None,
+                block_n: int | None = None) -> DecodePlan:
+    """Build the tile list of a decode batch on the device (one small launch). q: [num_reqs,
+    num_heads, head_dim]; k_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32. num_programs: per kv
+    head, default as many as fill the GPU once; block_n: keys a tile (the kernel's default)."""
+    num_reqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    assert seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    block_n = block_n or _config(q.dtype, head_dim)["BLOCK_N"]
+    tile_pages = max(1, block_n // block_size)
+    max_tiles = num_reqs * max(1, -(-block_tables.shape[1] * block_size // block_n))
+    if num_programs is not None:
+        num_programs = max(1, min(num_programs, max_tiles))
+    max_programs = num_programs or max(1, _num_sms(q.device) * MAX_PROGRAMS_PER_SM // num_kv_heads)
+    group = num_heads // num_kv_heads
+    i32 = dict(dtype=torch.int32, device=q.device)
+    plan = DecodePlan(
+        num_reqs=num_reqs, block_n=block_n, num_programs=num_programs, max_programs=max_programs,
+        tile_req=torch.empty(max_tiles, **i32), tile_info=torch.empty(max_tiles, **i32),
+        tile_blocks=torch.empty(max_tiles * tile_pages, **i32),
+        req_tile_start=torch.empty(num_reqs + 1, **i32),
+        counters=torch.empty(num_kv_heads, num_reqs, **i32),
+        part_out=torch.empty(num_kv_heads, max_programs, 2, group, head_dim, dtype=torch.float32,
+                             device=q.device),
+        part_lse=torch.empty(num_kv_heads, max_programs, 2, group, dtype=torch.float32,
+                             device=q.device))
+    if num_reqs:
+        _plan_kernel[(num_reqs,)](
+            seq_lens, block_tables, num_reqs, num_kv_heads, block_tables.stride(0),
+            plan.tile_req, plan.tile_info, plan.tile_blocks, plan.req_tile_start, plan.counters,
+            BLOCK_N=block_n, PAGE_SIZE=block_size, TILE_PAGES=tile_pages, CHUNK=PLAN_CHUNK,
+            num_warps=4)
+    return plan
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, max_seq_len: int | None = None,
-                           out: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None, plan: DecodePlan | None = None,
                            config: dict | None = None) -> torch.Tensor:
     """q: [num_reqs, num_heads, head_dim], the one new token of each request (its k/v already
     stored); k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32, cached tokens
-    including the new one. num_splits: static split count, else picked from max_seq_len (a host
-    bound; the block-table width when absent). config: tile settings over the defaults (BLOCK_N,
-    num_warps, num_stages), for tuning. Returns out: [num_reqs, num_heads, head_dim]."""
+    including the new one. plan: this batch's `plan_decode` (built here when absent; a model
+    builds it once per forward). config: kernel settings over the defaults (num_warps,
+    num_stages), for tuning. Returns out: [num_reqs, num_heads, head_dim]."""
     num_reqs, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    block_size, num_kv_heads = k_cache.shape[1:3]
     check_paged_attention_inputs(q, k_cache, v_cache)
-    assert seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     if num_reqs == 0:
         return out
-    if num_splits is None:
-        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-        num_splits = pick_num_splits(num_reqs, num_kv_heads, bound, q.device)
-    assert 1 <= num_splits <= 1024
+    if plan is None:
+        plan = plan_decode(q, k_cache, block_tables, seq_lens)
+    assert plan.num_reqs == num_reqs
     group = num_heads // num_kv_heads
-    if num_splits > 1:
-        part_out = torch.empty(num_reqs, num_heads, num_splits, head_dim, dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32,
-                               device=q.device)
-    else:
-        part_out = part_lse = out  # unused
-    _decode_kernel[(num_kv_heads, num_reqs, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, num_heads, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=block_size, IS_SPLIT=num_splits > 1,
-        **(_config(q.dtype, head_dim) | (config or {})),
-    )
-    if num_splits > 1:
-        _combine_kernel[(num_reqs, num_heads)](
-            part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_SPLITS=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),
-            num_warps=4,
-        )
+    args = (q, k_cache, v_cache, out, plan.tile_req, plan.tile_info, plan.tile_blocks,
+            plan.req_tile_start, plan.counters, plan.part_out, plan.part_lse, scale * LOG2E,
+            num_reqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), out.stride(0), out.stride(1))
+    constexprs = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+                      HEAD_DIM=head_dim, PAGE_SIZE=block_size,
+                      TILE_PAGES=max(1, plan.block_n // block_size),
+                      **(_config(q.dtype, head_dim) | (config or {}) | dict(BLOCK_N=plan.block_n)))
+    num_programs = plan.num_programs or _programs_per_head(q.device, num_kv_heads,
+                                                           plan.max_programs, args, constexprs)
+    _decode_kernel[(num_kv_heads, num_programs)](*args, **constexprs)
     return out
 
 

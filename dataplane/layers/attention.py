@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from dataplane.attention import AttentionBackend
-from dataplane.forward_context import get_forward_context
+from dataplane.forward_context import ForwardContext, get_forward_context
 from dataplane.layers.layernorm import RMSNorm
 
 
@@ -18,16 +18,26 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend: AttentionBackend | None = None
         self.k_cache = self.v_cache = torch.empty(0)
+        self.is_first_layer = False
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      backend: AttentionBackend) -> None:
+                      backend: AttentionBackend, is_first_layer: bool = False) -> None:
+        """is_first_layer: this layer starts every forward, so it drops the context's attention
+        plan for the backend to rebuild (see ForwardContext.attention_plan)."""
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+        self.is_first_layer = is_first_layer
+
+    def _context(self) -> ForwardContext:
+        assert self.backend is not None, "bind_kv_cache() before the first forward"
+        ctx = get_forward_context()
+        if self.is_first_layer:
+            ctx.attention_plan = None
+        return ctx
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k and v at the step's slots (our Triton kernel on CUDA, torch elsewhere), then
         attend over the cache."""
-        assert self.backend is not None, "bind_kv_cache() before the first forward"
-        ctx = get_forward_context()
+        ctx = self._context()
         if q.is_cuda:
             from dataplane.kernels.store_kv import store_kv
         else:
@@ -41,8 +51,7 @@ class Attention(nn.Module):
         """CUDA only: per-head RMSNorm of q and k, RoPE, and the store of k and v at the step's
         slots in one kernel (Qwen3's attention prologue), then attention over the cache."""
         from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
-        assert self.backend is not None, "bind_kv_cache() before the first forward"
-        ctx = get_forward_context()
+        ctx = self._context()
         q = qk_norm_rope_store(positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps,
                                cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping)
         return self.backend.forward(q, self.k_cache, self.v_cache, ctx, self.scale)

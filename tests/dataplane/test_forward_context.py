@@ -30,6 +30,41 @@ def test_a_captured_graph_has_no_host_lists_and_counts_no_decodes():
     assert context([1, 1], host=False).num_decodes == 0
 
 
-def test_the_decodes_longest_context_ignores_the_prompts_after_them():
-    assert context([1, 1, 1, 30], [5, 90, 3, 4000]).max_decode_seq_len == 90
-    assert context([30, 1], [4000, 90]).max_decode_seq_len == 0
+class _PlanRecorder:
+    """An attention backend that notes the plan each layer finds and leaves one behind."""
+
+    name = "recorder"
+    block_size = None
+
+    def __init__(self) -> None:
+        self.seen: list[object | None] = []
+
+    def forward(self, q, k_cache, v_cache, ctx, scale):
+        self.seen.append(ctx.attention_plan)
+        if ctx.attention_plan is None:
+            ctx.attention_plan = object()
+        return q
+
+
+def test_the_first_attention_layer_makes_every_forward_rebuild_the_plan():
+    """A CUDA graph's warm-up and capture run the same context: the capture must build the plan
+    again (inside the graph), not reuse the warm-up's."""
+    from dataplane.forward_context import forward_context
+    from dataplane.layers.attention import Attention
+    backend = _PlanRecorder()
+    layers = [Attention(2, 1, 4, 0.5) for _ in range(3)]
+    for i, layer in enumerate(layers):
+        layer.bind_kv_cache(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), backend,
+                            is_first_layer=i == 0)
+    ctx = ForwardContext(query_start_loc=torch.tensor([0, 1]), seq_lens=torch.tensor([1]),
+                         slot_mapping=torch.tensor([0]), block_tables=torch.zeros(1, 1),
+                         logits_indices=torch.tensor([0]), max_query_len=1, max_seq_len=1,
+                         query_start_loc_host=[0, 1], seq_lens_host=[1])
+    q, kv = torch.zeros(1, 2, 4), torch.zeros(1, 1, 4)
+    with forward_context(ctx):
+        for _ in range(2):  # two forwards of one context
+            for layer in layers:
+                layer(q, kv, kv)
+    first, second = backend.seen[:3], backend.seen[3:]
+    assert first[0] is None and first[1] is first[2] is not None
+    assert second[0] is None and second[1] is second[2] is not first[1]

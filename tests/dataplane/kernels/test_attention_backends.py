@@ -86,10 +86,10 @@ def test_triton_backend_matches_torch(dtype, block_size, lens, device, gen):
     compare_with_torch(TritonAttention(), lens, dtype, block_size, device, gen)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_backend_with_fixed_splits(num_splits, device, gen):
-    compare_with_torch(TritonAttention(num_splits=num_splits), DECODE, torch.float32, 16, device,
-                       gen, num_heads=32, num_kv_heads=8)
+@pytest.mark.parametrize("num_programs", [1, 3])
+def test_triton_backend_with_fixed_programs(num_programs, device, gen):
+    compare_with_torch(TritonAttention(num_programs=num_programs), DECODE, torch.float32, 16,
+                       device, gen, num_heads=32, num_kv_heads=8)
 
 
 def test_make_backend_names(device):
