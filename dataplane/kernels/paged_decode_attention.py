@@ -3,12 +3,13 @@ flat list of key tiles (the lean-attention / stream-K schedule).
 
 Every request's cached keys are cut into BLOCK_N-key tiles, and the tiles of all requests, in
 request order, form one list: the step's *plan*, built on the device once per forward by
-`plan_decode` (the tiles' requests, valid key counts and block ids, copied out of the block
-tables). For each kv head a fixed number of programs, about as many as the GPU holds at once,
+`plan_decode`: each tile's request, first/last flags and the cache slot of each of its keys,
+-1 past the request's end, read out of the block tables). For each kv head a fixed number of programs, about as many as the GPU holds at once,
 take equal contiguous ranges of that list and walk them in one software-pipelined loop, so that
 every program moves the same bytes (no wave of short programs waiting for a long one) and the
 next request's first tile is loaded while the last one's is reduced (no per-request start-up
-chain of seq_len -> block ids -> first tile). The GROUP query heads that share a kv head are the
+chain of seq_len -> block ids -> first tile). The K/V addresses and masks come from one vector
+load of slots, so no scalar load stands between a tile and the next one's copies. The GROUP query heads that share a kv head are the
 rows of one tile (padded to 16 for tl.dot): each K/V tile is read from HBM once per kv head.
 
 A request wholly inside one program's range is written directly. A request cut by a range
@@ -33,16 +34,14 @@ from dataplane.kernels.paged_inputs import check_paged_attention_inputs
 LOG2E = 1.4426950408889634
 MAX_PROGRAMS_PER_SM = 8  # bounds the partial-output scratch a plan allocates
 PLAN_CHUNK = 128  # ids the plan kernel moves per vector op
-# tile_info's bits above the valid key count (bits 0-15): first tile, last tile, page offset
-_FIRST, _LAST, _OFFSET = tl.constexpr(16), tl.constexpr(17), tl.constexpr(18)
+_FIRST, _LAST = tl.constexpr(1), tl.constexpr(2)  # tile_info's flags: a request's first, last tile
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_kv_heads", "stride_bt_req"])
 def _plan_kernel(
     seq_lens_ptr, block_tables_ptr, num_reqs, num_kv_heads, stride_bt_req,
-    tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
-    CHUNK: tl.constexpr,
+    tile_req_ptr, tile_info_ptr, tile_slots_ptr, req_tile_start_ptr, counters_ptr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr,
 ):
     req = tl.program_id(0)
     start = tl.zeros([], tl.int32)  # this request's first tile: one or more per earlier request
@@ -59,18 +58,15 @@ def _plan_kernel(
         tl.store(counters_ptr + head * num_reqs + req, 0)
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
-    num_pages = tl.cdiv(seq_len, PAGE_SIZE)
-    for lo in range(0, num_tiles * TILE_PAGES, CHUNK):
-        idx = lo + tl.arange(0, CHUNK)  # [CHUNK]: tile idx // TILE_PAGES, its page idx % ...
-        page = (idx // TILE_PAGES) * BLOCK_N // PAGE_SIZE + idx % TILE_PAGES
-        ids = tl.load(bt_row + page, mask=page < num_pages, other=0)
-        tl.store(tile_blocks_ptr + start * TILE_PAGES + idx, ids, mask=idx < num_tiles * TILE_PAGES)
+    for lo in range(0, num_tiles * BLOCK_N, CHUNK):
+        pos = lo + tl.arange(0, CHUNK)  # [CHUNK]: key positions
+        valid = pos < seq_len
+        ids = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0)
+        slots = tl.where(valid, ids * PAGE_SIZE + pos % PAGE_SIZE, -1)
+        tl.store(tile_slots_ptr + start * BLOCK_N + pos, slots, mask=pos < num_tiles * BLOCK_N)
     for lo in range(0, num_tiles, CHUNK):
         tile = lo + tl.arange(0, CHUNK)
-        valid = tl.minimum(tl.maximum(seq_len - tile * BLOCK_N, 0), BLOCK_N)
-        info = (valid | ((tile == 0).to(tl.int32) << _FIRST)
-                | ((tile == num_tiles - 1).to(tl.int32) << _LAST)
-                | (((tile * BLOCK_N) % PAGE_SIZE) << _OFFSET))
+        info = tl.where(tile == 0, _FIRST, 0) | tl.where(tile == num_tiles - 1, _LAST, 0)
         tl.store(tile_info_ptr + start + tile, info, mask=tile < num_tiles)
         tl.store(tile_req_ptr + start + tile, tile * 0 + req, mask=tile < num_tiles)
 
@@ -129,12 +125,12 @@ def _merge_pieces(
 @triton.jit(do_not_specialize=["num_reqs"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr,
+    tile_req_ptr, tile_info_ptr, tile_slots_ptr, req_tile_start_ptr, counters_ptr,
     part_out_ptr, part_lse_ptr, scale_log2e, num_reqs,
-    stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
+    stride_q_tok, stride_q_head, stride_cache_tok, stride_cache_head,
     stride_out_tok, stride_out_head,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     prog = tl.program_id(1)
@@ -155,21 +151,15 @@ def _decode_kernel(
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for tile in range(tile_lo, tile_hi):
-            req = tl.load(tile_req_ptr + tile)
-            info = tl.load(tile_info_ptr + tile)
-            is_last = (info >> _LAST) & 1
-            started = tl.where(((info >> _FIRST) & 1) == 1, 1, started)
-            key_mask = keys < (info & 0xFFFF)
-            if PAGE_SIZE > BLOCK_N:  # tiles start inside pages
-                in_page = (info >> _OFFSET) + keys  # [BLOCK_N]
-            else:  # tiles start at page starts: the block ids' address waits for no load
-                in_page = keys
-            blocks = tl.load(tile_blocks_ptr + tile * TILE_PAGES + in_page // PAGE_SIZE)
-            offs = (blocks.to(tl.int64) * stride_cache_block
-                    + (in_page % PAGE_SIZE) * stride_cache_tok
-                    + kv_head * stride_cache_head)  # [BLOCK_N]
-            q = tl.load(q_ptr + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
-                        + dims[None, :], mask=row_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
+            # The K/V and q addresses come from vector loads, which the pipeliner issues a stage
+            # ahead; the scalars (request, flags) are only read after this tile's dots.
+            slots = tl.load(tile_slots_ptr + tile * BLOCK_N + keys)  # [BLOCK_N]
+            key_mask = slots >= 0
+            offs = slots.to(tl.int64) * stride_cache_tok + kv_head * stride_cache_head
+            req_rows = tl.load(tile_req_ptr + tile + rows * 0)  # [BLOCK_H]: the tile's request
+            q = tl.load(q_ptr + req_rows.to(tl.int64)[:, None] * stride_q_tok
+                        + heads[:, None] * stride_q_head + dims[None, :],
+                        mask=row_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
             k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None],
                         other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
@@ -183,9 +173,13 @@ def _decode_kernel(
                         other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
-            if (is_last == 1) | (tile == tile_hi - 1):
+            req = tl.load(tile_req_ptr + tile)
+            info = tl.load(tile_info_ptr + tile)
+            is_last = (info & _LAST) != 0
+            started = tl.where((info & _FIRST) != 0, 1, started)
+            if is_last | (tile == tile_hi - 1):
                 out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-                if (is_last == 1) & (started == 1):
+                if is_last & (started == 1):
                     dst = (out_ptr + req * stride_out_tok + heads[:, None] * stride_out_head
                            + dims[None, :])
                     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -202,13 +196,13 @@ def _decode_kernel(
         first_info = tl.load(tile_info_ptr + tile_lo)
         last_req = tl.load(tile_req_ptr + tile_hi - 1)
         last_info = tl.load(tile_info_ptr + tile_hi - 1)
-        first_cut = 1 - ((first_info >> _FIRST) & 1)  # 1: begun by an earlier range
-        last_cut = 1 - ((last_info >> _LAST) & 1)  # 1: finished by a later range
-        if first_cut == 1:
+        first_cut = (first_info & _FIRST) == 0  # begun by an earlier range
+        last_cut = (last_info & _LAST) == 0  # finished by a later range
+        if first_cut:
             _merge_pieces(first_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
                           req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
                           stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
-        if (last_cut == 1) & ((last_req != first_req) | (first_cut == 0)):
+        if last_cut & ((last_req != first_req) | (not first_cut)):
             _merge_pieces(last_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
                           req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
                           stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
@@ -263,8 +257,8 @@ class DecodePlan:
     num_programs: int | None  # per kv head; None: as many as fill the GPU once
     max_programs: int  # per kv head, what the partial scratch holds
     tile_req: torch.Tensor  # [max_tiles] int32: the request of each tile
-    tile_info: torch.Tensor  # [max_tiles] int32: valid keys | first, last flags | page offset
-    tile_blocks: torch.Tensor  # [max_tiles * tile_pages] int32: each tile's block ids
+    tile_info: torch.Tensor  # [max_tiles] int32: first-tile and last-tile flags
+    tile_slots: torch.Tensor  # [max_tiles * block_n] int32: each key's cache slot, -1 past the end
     req_tile_start: torch.Tensor  # [num_reqs + 1] int32: first tile of each request; total
     counters: torch.Tensor  # [num_kv_heads, num_reqs] int32: pieces merged so far (zeros)
     part_out: torch.Tensor  # [num_kv_heads, max_programs, 2, group, head_dim] float32
@@ -284,7 +278,6 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tens
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     block_n = block_n or _config(q.dtype, head_dim)["BLOCK_N"]
-    tile_pages = max(1, block_n // block_size)
     max_tiles = num_reqs * max(1, -(-block_tables.shape[1] * block_size // block_n))
     if num_programs is not None:
         num_programs = max(1, min(num_programs, max_tiles))
@@ -294,7 +287,7 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tens
     plan = DecodePlan(
         num_reqs=num_reqs, block_n=block_n, num_programs=num_programs, max_programs=max_programs,
         tile_req=torch.empty(max_tiles, **i32), tile_info=torch.empty(max_tiles, **i32),
-        tile_blocks=torch.empty(max_tiles * tile_pages, **i32),
+        tile_slots=torch.empty(max_tiles * block_n, **i32),
         req_tile_start=torch.empty(num_reqs + 1, **i32),
         counters=torch.empty(num_kv_heads, num_reqs, **i32),
         part_out=torch.empty(num_kv_heads, max_programs, 2, group, head_dim, dtype=torch.float32,
@@ -304,9 +297,8 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tens
     if num_reqs:
         _plan_kernel[(num_reqs,)](
             seq_lens, block_tables, num_reqs, num_kv_heads, block_tables.stride(0),
-            plan.tile_req, plan.tile_info, plan.tile_blocks, plan.req_tile_start, plan.counters,
-            BLOCK_N=block_n, PAGE_SIZE=block_size, TILE_PAGES=tile_pages, CHUNK=PLAN_CHUNK,
-            num_warps=4)
+            plan.tile_req, plan.tile_info, plan.tile_slots, plan.req_tile_start, plan.counters,
+            BLOCK_N=block_n, PAGE_SIZE=block_size, CHUNK=PLAN_CHUNK, num_warps=4)
     return plan
 
 
@@ -331,14 +323,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if plan is None:
         plan = plan_decode(q, k_cache, block_tables, seq_lens)
     assert plan.num_reqs == num_reqs
+    assert k_cache.stride(0) == block_size * k_cache.stride(1), "slots address whole blocks"
     group = num_heads // num_kv_heads
-    args = (q, k_cache, v_cache, out, plan.tile_req, plan.tile_info, plan.tile_blocks,
+    args = (q, k_cache, v_cache, out, plan.tile_req, plan.tile_info, plan.tile_slots,
             plan.req_tile_start, plan.counters, plan.part_out, plan.part_lse, scale * LOG2E,
-            num_reqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), out.stride(0), out.stride(1))
+            num_reqs, q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
+            out.stride(0), out.stride(1))
     constexprs = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-                      HEAD_DIM=head_dim, PAGE_SIZE=block_size,
-                      TILE_PAGES=max(1, plan.block_n // block_size),
+                      HEAD_DIM=head_dim,
                       **(_config(q.dtype, head_dim) | (config or {}) | dict(BLOCK_N=plan.block_n)))
     num_programs = plan.num_programs or _programs_per_head(q.device, num_kv_heads,
                                                            plan.max_programs, args, constexprs)
