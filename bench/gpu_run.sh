@@ -4,6 +4,7 @@
 # $OUT. Stages:
 #   tests          the GPU-marked tests
 #   runner         the runner, serve, TP=2, sampler and elementwise-kernel tests (~70 s)
+#   tp2-tests      the TP=2-over-NCCL tests only (the two-GPU machine)
 #   smoke          the runner tests, the attention backends and the sampler kernel
 #   kernels        kernel micro-benchmarks          moe   fused MoE tuning
 #   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k;
@@ -47,6 +48,9 @@ for stage in "$@"; do
              tests/dataplane/test_moe_vs_hf.py tests/dataplane/kernels/test_gumbel_sample.py \
              tests/dataplane/kernels/test_elementwise.py > "$OUT/runner.log" 2>&1
            grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/runner.log" | tail -60 ;;
+    tp2-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
+             --timeout 240 --tb=short -k tp2 tests/dataplane/test_gpu_runner.py > "$OUT/tp2-tests.log" 2>&1
+           grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/tp2-tests.log" | tail -20 ;;
     smoke) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
              tests/dataplane/kernels/test_attention_backends.py \
