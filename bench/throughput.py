@@ -68,9 +68,11 @@ def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
 
 
-def roofline(config, prompts, outputs, bandwidth: float, max_num_seqs: int) -> dict:
+def roofline(config, prompts, outputs, bandwidth: float, max_num_seqs: int,
+             num_devices: int = 1) -> dict:
     """The ideal schedule: all requests decode together (they fit max_num_seqs); decode step i
-    reads the weights once and the K/V of every cached token of every request still going."""
+    reads the weights once and the K/V of every cached token of every request still going.
+    Tensor parallelism shards both over num_devices devices, each with `bandwidth`."""
     assert len(prompts) <= max_num_seqs
     weights, per_token = weight_bytes(config), kv_bytes_per_token(config)
     lengths = [(len(p), o) for p, o in zip(prompts, outputs)]
@@ -78,9 +80,10 @@ def roofline(config, prompts, outputs, bandwidth: float, max_num_seqs: int) -> d
     for i in range(max(outputs)):
         cached = sum(p + i for p, o in lengths if o > i)
         total += weights + cached * per_token
-    seconds = total / bandwidth
+    seconds = total / (bandwidth * num_devices)
     return {"roofline_seconds": seconds, "roofline_tok_per_s": sum(outputs) / seconds,
-            "bytes_read": total, "weight_bytes": weights, "kv_bytes_per_token": per_token}
+            "bytes_read": total, "weight_bytes": weights, "kv_bytes_per_token": per_token,
+            "num_devices": num_devices}
 
 
 def copy_bandwidth() -> float:
@@ -281,11 +284,12 @@ def main() -> None:
     model_dir = checkpoints.write_config_only(pathlib.Path(tempfile.mkdtemp()) / args.model, config)
     prompts, outputs = workload(args.num_requests, args.seed)
     bandwidth = copy_bandwidth()
-    ideal = roofline(config, prompts, outputs, bandwidth, args.max_num_seqs)
     commit = run_info.commit()
     results = {}
     for mode in args.modes:
         run = run_inprocess if mode == "inprocess" else run_split
+        ideal = roofline(config, prompts, outputs, bandwidth, args.max_num_seqs,
+                         args.tp if mode == "split" else 1)  # in-process runs one device
         measured = run(model_dir, prompts, outputs, args)
         tok_per_s = measured["output_tokens"] / measured["seconds"]
         results[mode] = {
