@@ -37,8 +37,7 @@ from dataplane.kernels.paged_inputs import check_paged_attention_inputs
 LOG2E = 1.4426950408889634
 MAX_PROGRAMS_PER_SM = 8  # bounds the partial-output scratch a plan allocates
 PLAN_CHUNK = 128  # ids the plan kernel moves per vector op
-# tile_info: bit 0 a request's first tile, bit 1 its last, the bits from _COUNT its valid keys
-_FIRST, _LAST, _COUNT = tl.constexpr(1), tl.constexpr(2), tl.constexpr(2)
+_FIRST, _LAST = tl.constexpr(1), tl.constexpr(2)  # tile_info's flags: a request's first, last tile
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_kv_heads", "stride_bt_req"])
@@ -70,9 +69,7 @@ def _plan_kernel(
         tl.store(tile_slots_ptr + start * BLOCK_N + pos, slots, mask=pos < num_tiles * BLOCK_N)
     for lo in range(0, num_tiles, CHUNK):
         tile = lo + tl.arange(0, CHUNK)
-        valid = tl.minimum(tl.maximum(seq_len - tile * BLOCK_N, 0), BLOCK_N)
-        info = (tl.where(tile == 0, _FIRST, 0) | tl.where(tile == num_tiles - 1, _LAST, 0)
-                | (valid << _COUNT))
+        info = tl.where(tile == 0, _FIRST, 0) | tl.where(tile == num_tiles - 1, _LAST, 0)
         tl.store(tile_info_ptr + start + tile, info, mask=tile < num_tiles)
         tl.store(tile_req_ptr + start + tile, tile * 0 + req, mask=tile < num_tiles)
 
@@ -157,10 +154,8 @@ def _decode_kernel(
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for tile in range(tile_lo, tile_hi):
-            # In three stages the pipeliner copies a tile's slots and request two tiles ahead,
-            # its K/V and q one tile ahead: a tile waits for one memory round trip, not two.
-            # The slots feed only the K/V addresses and masks (the scores' mask comes from the
-            # valid count), and the scalars (request, flags) are read after this tile's dots.
+            # The K/V and q addresses come from vector loads, which the pipeliner issues a stage
+            # ahead; the scalars (request, flags) are only read after this tile's dots.
             slots = tl.load(tile_slots_ptr + tile * BLOCK_N + keys)  # [BLOCK_N]
             key_mask = slots >= 0
             offs = slots.to(tl.int64) * stride_cache_tok + kv_head * stride_cache_head
@@ -171,8 +166,7 @@ def _decode_kernel(
             k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None],
                         other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-            num_valid = tl.load(tile_info_ptr + tile) >> _COUNT
-            s = tl.where(keys[None, :] < num_valid, s, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            s = tl.where(key_mask[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
             m_new = tl.maximum(m, tl.max(s, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty tile: no -inf - -inf
             alpha = tl.exp2(m - m_ref)
@@ -253,7 +247,7 @@ def _config(dtype: torch.dtype, head_dim: int) -> dict:
     # Measured on the H200 (bench/tune_decode.py, decode_tuning-5883bf3.json): 128-key tiles in
     # two stages are the best or within 1% of it on every shape; 8 warps are 30-40% slower.
     return dict(BLOCK_N=128 if head_dim <= 128 else 64, DOT_PRECISION="tf32", num_warps=4,
-                num_stages=3)
+                num_stages=2)
 
 
 @dataclass

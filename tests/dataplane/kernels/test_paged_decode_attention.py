@@ -99,10 +99,9 @@ def test_plan_lists_every_tile_in_request_order(device, gen):
     plan = plan_decode(q, cache.k_cache, cache.block_tables, int32(lens, device))
     assert plan.req_tile_start.tolist() == [0, 2, 3, 4, 7]
     assert plan.tile_req[:7].tolist() == [0, 0, 1, 2, 3, 3, 3]
-    first, last, count = 1, 2, 4  # flags, then the valid key count from bit 2
-    assert plan.tile_info[:7].tolist() == [
-        first | 16 * count, last | count, first | last, first | last | 16 * count,
-        first | 16 * count, 16 * count, last | count]
+    first, last = 1, 2
+    assert plan.tile_info[:7].tolist() == [first, last, first | last, first | last, first, 0,
+                                           last]
     tables = cache.block_tables.tolist()
     slot = lambda req, pos: tables[req][pos // 4] * 4 + pos % 4  # noqa: E731
     slots = plan.tile_slots.view(-1, 16)[:7].tolist()
