@@ -9,7 +9,7 @@ error and the run goes on.
 
     PYTHONPATH=. python3 bench/kernels.py --out bench/results/kernels.json [--sweep] [--no-fa4]
 
---sweep also times a small grid of decode/prefill tile configs and decode split counts on a few
+--sweep also times a small grid of decode/prefill tile configs and decode program counts on a few
 shapes (the defaults live in dataplane/kernels/paged_*_attention.py `_config`).
 """
 
