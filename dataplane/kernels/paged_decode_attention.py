@@ -125,6 +125,61 @@ def _merge_pieces(
         tl.store(counter, 0)
 
 
+@triton.jit
+def _attend_tile(
+    q_ptr, k_cache_ptr, v_cache_ptr, tile_req_ptr, tile_slots_ptr, tile, kv_head, m, l, acc,
+    scale_log2e, stride_q_tok, stride_q_head, stride_cache_tok, stride_cache_head,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One tile into the running softmax state (m, l, acc) of the kv head's query rows. The K/V
+    and q addresses come from vector loads, which the pipeliner issues a stage ahead."""
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    slots = tl.load(tile_slots_ptr + tile * BLOCK_N + tl.arange(0, BLOCK_N))  # [BLOCK_N]
+    key_mask = slots >= 0
+    offs = slots.to(tl.int64) * stride_cache_tok + kv_head * stride_cache_head
+    req_rows = tl.load(tile_req_ptr + tile + rows * 0)  # [BLOCK_H]: the tile's request
+    q = tl.load(q_ptr + req_rows.to(tl.int64)[:, None] * stride_q_tok
+                + heads[:, None] * stride_q_head + dims[None, :],
+                mask=(rows < GROUP)[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
+    k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+    s = tl.where(key_mask[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty tile: no -inf - -inf
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _write_request(
+    out_ptr, part_out_ptr, part_lse_ptr, m, l, acc, req, is_whole, slot, kv_head, prog,
+    num_progs, stride_out_tok, stride_out_head,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """The end of a request in this range: its output when the range holds all of it, else this
+    range's piece (normalized output and log-sum-exp) in the partial buffers at `slot`."""
+    rows = tl.arange(0, BLOCK_H)
+    row_mask = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    if is_whole:
+        heads = kv_head * GROUP + rows
+        dst = out_ptr + req * stride_out_tok + heads[:, None] * stride_out_head + dims[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:  # a piece of a request this range shares with its neighbours
+        piece = _piece(kv_head, prog, slot, num_progs, GROUP, BLOCK_H)
+        tl.store(part_out_ptr + piece[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=row_mask[:, None])
+        tl.store(part_lse_ptr + piece, m + tl.log2(l), mask=row_mask)
+
+
 @triton.jit(do_not_specialize=["num_reqs"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -143,55 +198,26 @@ def _decode_kernel(
     if prog < active:
         tile_lo = prog * total // active
         tile_hi = (prog + 1) * total // active
-        rows = tl.arange(0, BLOCK_H)
-        row_mask = rows < GROUP
-        heads = kv_head * GROUP + rows
-        dims = tl.arange(0, HEAD_DIM)
-        keys = tl.arange(0, BLOCK_N)
         first_req = tl.load(tile_req_ptr + tile_lo)
         started = tl.zeros([], tl.int32)  # 1: the current request's first tile is in this range
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for tile in range(tile_lo, tile_hi):
-            # The K/V and q addresses come from vector loads, which the pipeliner issues a stage
-            # ahead; the scalars (request, flags) are only read after this tile's dots.
-            slots = tl.load(tile_slots_ptr + tile * BLOCK_N + keys)  # [BLOCK_N]
-            key_mask = slots >= 0
-            offs = slots.to(tl.int64) * stride_cache_tok + kv_head * stride_cache_head
-            req_rows = tl.load(tile_req_ptr + tile + rows * 0)  # [BLOCK_H]: the tile's request
-            q = tl.load(q_ptr + req_rows.to(tl.int64)[:, None] * stride_q_tok
-                        + heads[:, None] * stride_q_head + dims[None, :],
-                        mask=row_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
-            k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None],
-                        other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-            s = tl.where(key_mask[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty tile: no -inf - -inf
-            alpha = tl.exp2(m - m_ref)
-            p = tl.exp2(s - m_ref[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None],
-                        other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
+            m, l, acc = _attend_tile(
+                q_ptr, k_cache_ptr, v_cache_ptr, tile_req_ptr, tile_slots_ptr, tile, kv_head, m, l,
+                acc, scale_log2e, stride_q_tok, stride_q_head, stride_cache_tok,
+                stride_cache_head, GROUP, BLOCK_H, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+            # the scalars are read after the tile's dots: nothing of the next tile waits on them
             req = tl.load(tile_req_ptr + tile)
             info = tl.load(tile_info_ptr + tile)
             is_last = (info & _LAST) != 0
             started = tl.where((info & _FIRST) != 0, 1, started)
             if is_last | (tile == tile_hi - 1):
-                out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-                if is_last & (started == 1):
-                    dst = (out_ptr + req * stride_out_tok + heads[:, None] * stride_out_head
-                           + dims[None, :])
-                    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-                else:  # a piece of a request this range shares with its neighbours
-                    slot = tl.where(req == first_req, 0, 1)
-                    piece = _piece(kv_head, prog, slot, num_progs, GROUP, BLOCK_H)
-                    tl.store(part_out_ptr + piece[:, None] * HEAD_DIM + dims[None, :], out,
-                             mask=row_mask[:, None])
-                    tl.store(part_lse_ptr + piece, m + tl.log2(l), mask=row_mask)
+                _write_request(out_ptr, part_out_ptr, part_lse_ptr, m, l, acc, req,
+                               is_last & (started == 1), tl.where(req == first_req, 0, 1),
+                               kv_head, prog, num_progs, stride_out_tok, stride_out_head,
+                               GROUP, BLOCK_H, HEAD_DIM)
                 m = tl.full([BLOCK_H], float("-inf"), tl.float32)
                 l = tl.zeros([BLOCK_H], tl.float32)
                 acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
