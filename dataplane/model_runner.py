@@ -178,10 +178,11 @@ class ModelRunner:
 
     def _compile_kernels(self, limits: BatchLimits, num_blocks: int) -> None:
         """One eager prompt step per power-of-two length and two eager decode steps (one long
-        request cut over many programs; a full batch of short ones), so that the kernels'
-        variants compile now and not inside a served step: a Triton compile holds the GIL for up
-        to seconds, which would silence the link's heartbeats. (The torch backend's attention
-        has no kernels; the layers' kernels compile in the profiling step before this.)"""
+        request, whose tiles are merged across programs; a full batch of short ones), so that
+        every kernel variant a served step launches compiles now and not inside one: a Triton
+        compile holds the GIL for up to seconds, which would silence the link's heartbeats. (The
+        torch backend's attention has no kernels; the layers' kernels compile in the profiling
+        step before this.)"""
         logits = None
         if self.backend.name != "torch":
             self._dummy_decode(1, limits.max_model_len, num_blocks)

@@ -47,8 +47,8 @@ def make_backend(name: str, device: str) -> AttentionBackend:
 
 def _best_gpu_backend() -> str:
     """Our Triton kernels: always installed, any block size, a decode kernel that spreads any
-    batch's tiles evenly over the GPU, CUDA-graph capturable without warm-up compiles per
-    shape. FlashAttention-4
-    has no split-KV on Hopper, forces 128-token blocks and takes ~10 s to import; it stays
-    opt-in (`flash_attn`) unless bench/kernels.py shows it ahead on the workloads we serve."""
+    batch's tiles evenly over the GPU, CUDA-graph capturable without warm-up compiles per shape.
+    FlashAttention-4 has no split-KV on Hopper, forces 128-token blocks and takes ~10 s to
+    import; it stays opt-in (`flash_attn`) unless bench/kernels.py shows it ahead on the
+    workloads we serve."""
     return "triton"

@@ -11,8 +11,8 @@ only on the batch size and the block-table width, and nothing is read back on th
 import torch
 
 from dataplane.forward_context import ForwardContext
-from dataplane.kernels.paged_decode_attention import DecodePlan, paged_decode_attention, \
-    plan_decode
+from dataplane.kernels.paged_decode_attention import (DecodePlan, paged_decode_attention,
+                                                      plan_decode)
 from dataplane.kernels.paged_prefill_attention import paged_prefill_attention
 
 

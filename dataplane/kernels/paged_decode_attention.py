@@ -3,9 +3,9 @@ flat list of key tiles (the lean-attention / stream-K schedule).
 
 Every request's cached keys are cut into BLOCK_N-key tiles, and the tiles of all requests, in
 request order, form one list: the step's *plan*, built on the device once per forward by
-`plan_decode` (each tile's request, its first/last flags, and the cache slot of each of its keys,
--1 past the request's end). For each kv head a fixed number of programs, as many as the GPU holds
-at once, take equal contiguous ranges of that list and walk them in one software-pipelined loop:
+`plan_decode` (each tile's request, valid key count, first/last flags and block ids: no larger
+than the block tables). For each kv head a fixed number of programs, as many as the GPU holds at
+once, take equal contiguous ranges of that list and walk them in one software-pipelined loop:
 every program moves about the same bytes (no wave of short programs waiting for a long one), and
 a program goes from one request to the next without a start-up chain (seq_len -> block ids ->
 first tile). The GROUP query heads that share a kv head are the rows of one tile (padded to 16
@@ -19,9 +19,10 @@ counter. A request with seq_len 0 (a padding row) is one empty tile and writes z
 The plan and the launch depend only on the batch size and the block-table width, never on the
 lengths: a CUDA graph captures them once (nothing is read back on the host).
 
-On the H200 (bench/results/h200/decode_tuning-5883bf3.json) it moves workload A's decode
-batches at 89% of the copy bandwidth at 128-256 requests, 78% at 64 and 60% at 32, against
-85-89%, 71% and 55% for the split-KV kernel it replaced (decode_order-75f96e5.json).
+On the H200 (bench/results/h200/decode_tuning-4c056b3.json) it moves workload A's decode
+batches at 88-91% of the copy bandwidth at 128-256 requests, 78% at 64 and 60% at 32, against
+85-89%, 71% and 55% for the split-KV kernel it replaced (decode_order-75f96e5.json). A plan of
+per-key cache slots (5883bf3) ran the same; the per-page block ids need 1/16 of its memory.
 """
 
 import functools
@@ -37,14 +38,16 @@ from dataplane.kernels.paged_inputs import check_paged_attention_inputs
 LOG2E = 1.4426950408889634
 MAX_PROGRAMS_PER_SM = 8  # bounds the partial-output scratch a plan allocates
 PLAN_CHUNK = 128  # ids the plan kernel moves per vector op
-_FIRST, _LAST = tl.constexpr(1), tl.constexpr(2)  # tile_info's flags: a request's first, last tile
+# tile_info's bits above the valid key count (bits 0-15): first tile, last tile, page offset
+_FIRST, _LAST, _OFFSET = tl.constexpr(16), tl.constexpr(17), tl.constexpr(18)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_kv_heads", "stride_bt_req"])
 def _plan_kernel(
     seq_lens_ptr, block_tables_ptr, num_reqs, num_kv_heads, stride_bt_req,
-    tile_req_ptr, tile_info_ptr, tile_slots_ptr, req_tile_start_ptr, counters_ptr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+    tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     req = tl.program_id(0)
     start = tl.zeros([], tl.int32)  # this request's first tile: one or more per earlier request
@@ -61,15 +64,19 @@ def _plan_kernel(
         tl.store(counters_ptr + head * num_reqs + req, 0)
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
-    for lo in range(0, num_tiles * BLOCK_N, CHUNK):
-        pos = lo + tl.arange(0, CHUNK)  # [CHUNK]: key positions
-        valid = pos < seq_len
-        ids = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0)
-        slots = tl.where(valid, ids * PAGE_SIZE + pos % PAGE_SIZE, -1)
-        tl.store(tile_slots_ptr + start * BLOCK_N + pos, slots, mask=pos < num_tiles * BLOCK_N)
+    num_pages = tl.cdiv(seq_len, PAGE_SIZE)
+    for lo in range(0, num_tiles * TILE_PAGES, CHUNK):
+        idx = lo + tl.arange(0, CHUNK)  # [CHUNK]: tile idx // TILE_PAGES, its page idx % ...
+        page = (idx // TILE_PAGES) * BLOCK_N // PAGE_SIZE + idx % TILE_PAGES
+        ids = tl.load(bt_row + page, mask=page < num_pages, other=0)
+        tl.store(tile_blocks_ptr + start * TILE_PAGES + idx, ids,
+                 mask=idx < num_tiles * TILE_PAGES)
     for lo in range(0, num_tiles, CHUNK):
         tile = lo + tl.arange(0, CHUNK)
-        info = tl.where(tile == 0, _FIRST, 0) | tl.where(tile == num_tiles - 1, _LAST, 0)
+        valid = tl.minimum(tl.maximum(seq_len - tile * BLOCK_N, 0), BLOCK_N)
+        info = (valid | ((tile == 0).to(tl.int32) << _FIRST)
+                | ((tile == num_tiles - 1).to(tl.int32) << _LAST)
+                | (((tile * BLOCK_N) % PAGE_SIZE) << _OFFSET))
         tl.store(tile_info_ptr + start + tile, info, mask=tile < num_tiles)
         tl.store(tile_req_ptr + start + tile, tile * 0 + req, mask=tile < num_tiles)
 
@@ -92,8 +99,8 @@ def _merge_pieces(
     first = tl.load(req_tile_start_ptr + req)
     end = tl.load(req_tile_start_ptr + req + 1)
     # the programs whose ranges hold the request's first and last tiles
-    prog_lo = ((first + 1) * active - 1) // total
-    prog_hi = (end * active - 1) // total
+    prog_lo = (((first + 1).to(tl.int64) * active - 1) // total).to(tl.int32)
+    prog_hi = ((end.to(tl.int64) * active - 1) // total).to(tl.int32)
     counter = counters_ptr + kv_head * num_reqs + req
     tl.debug_barrier()  # every thread's partial stores issued before the release below
     count = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -105,7 +112,8 @@ def _merge_pieces(
         weight = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for prog in range(prog_lo, prog_hi + 1):
-            slot = ((prog == prog_lo) & (first > prog_lo * total // active)).to(tl.int32)
+            range_start = (prog_lo.to(tl.int64) * total // active).to(tl.int32)
+            slot = ((prog == prog_lo) & (first > range_start)).to(tl.int32)
             piece = _piece(kv_head, prog, slot, num_progs, GROUP, BLOCK_H)
             lse = tl.load(part_lse_ptr + piece, mask=row_mask, other=float("-inf"),
                           cache_modifier=".cg")
@@ -127,23 +135,28 @@ def _merge_pieces(
 
 @triton.jit
 def _attend_tile(
-    q_ptr, k_cache_ptr, v_cache_ptr, tile_req_ptr, tile_slots_ptr, tile, kv_head, m, l, acc,
-    scale_log2e, stride_q_tok, stride_q_head, stride_cache_tok, stride_cache_head,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    q_ptr, k_cache_ptr, v_cache_ptr, tile_blocks_ptr, tile, req, info, kv_head, m, l, acc,
+    scale_log2e, stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok,
+    stride_cache_head,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One tile into the running softmax state (m, l, acc) of the kv head's query rows. The K/V
-    and q addresses come from vector loads, which the pipeliner issues a stage ahead."""
+    """One tile of request `req` into the running softmax state (m, l, acc) of the kv head's
+    query rows. The pipeliner loads the next tile's block ids and K/V while this one computes."""
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
-    slots = tl.load(tile_slots_ptr + tile * BLOCK_N + tl.arange(0, BLOCK_N))  # [BLOCK_N]
-    key_mask = slots >= 0
-    offs = slots.to(tl.int64) * stride_cache_tok + kv_head * stride_cache_head
-    req_rows = tl.load(tile_req_ptr + tile + rows * 0)  # [BLOCK_H]: the tile's request
-    q = tl.load(q_ptr + req_rows.to(tl.int64)[:, None] * stride_q_tok
-                + heads[:, None] * stride_q_head + dims[None, :],
-                mask=(rows < GROUP)[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
+    keys = tl.arange(0, BLOCK_N)
+    key_mask = keys < (info & 0xFFFF)
+    if PAGE_SIZE > BLOCK_N:  # tiles start inside pages
+        in_page = (info >> _OFFSET) + keys  # [BLOCK_N]
+    else:  # tiles start at page starts: the block ids' address waits for no load
+        in_page = keys
+    blocks = tl.load(tile_blocks_ptr + tile * TILE_PAGES + in_page // PAGE_SIZE)
+    offs = (blocks.to(tl.int64) * stride_cache_block + (in_page % PAGE_SIZE) * stride_cache_tok
+            + kv_head * stride_cache_head)  # [BLOCK_N]
+    q = tl.load(q_ptr + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
+                + dims[None, :], mask=(rows < GROUP)[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
     k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
     s = tl.where(key_mask[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
@@ -183,12 +196,12 @@ def _write_request(
 @triton.jit(do_not_specialize=["num_reqs"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    tile_req_ptr, tile_info_ptr, tile_slots_ptr, req_tile_start_ptr, counters_ptr,
+    tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr,
     part_out_ptr, part_lse_ptr, scale_log2e, num_reqs,
-    stride_q_tok, stride_q_head, stride_cache_tok, stride_cache_head,
+    stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_out_tok, stride_out_head,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     prog = tl.program_id(1)
@@ -196,26 +209,26 @@ def _decode_kernel(
     total = tl.load(req_tile_start_ptr + num_reqs)
     active = tl.minimum(num_progs, total)  # every active program gets at least one tile
     if prog < active:
-        tile_lo = prog * total // active
-        tile_hi = (prog + 1) * total // active
+        tile_lo = (prog.to(tl.int64) * total // active).to(tl.int32)
+        tile_hi = ((prog + 1).to(tl.int64) * total // active).to(tl.int32)
         first_req = tl.load(tile_req_ptr + tile_lo)
-        started = tl.zeros([], tl.int32)  # 1: the current request's first tile is in this range
+        has_start = tl.zeros([], tl.int32)  # 1: the current request's first tile is in this range
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for tile in range(tile_lo, tile_hi):
-            m, l, acc = _attend_tile(
-                q_ptr, k_cache_ptr, v_cache_ptr, tile_req_ptr, tile_slots_ptr, tile, kv_head, m, l,
-                acc, scale_log2e, stride_q_tok, stride_q_head, stride_cache_tok,
-                stride_cache_head, GROUP, BLOCK_H, HEAD_DIM, BLOCK_N, DOT_PRECISION)
-            # the scalars are read after the tile's dots: nothing of the next tile waits on them
             req = tl.load(tile_req_ptr + tile)
             info = tl.load(tile_info_ptr + tile)
-            is_last = (info & _LAST) != 0
-            started = tl.where((info & _FIRST) != 0, 1, started)
+            is_last = ((info >> _LAST) & 1) == 1
+            has_start = tl.where(((info >> _FIRST) & 1) == 1, 1, has_start)
+            m, l, acc = _attend_tile(
+                q_ptr, k_cache_ptr, v_cache_ptr, tile_blocks_ptr, tile, req, info, kv_head, m, l,
+                acc, scale_log2e, stride_q_tok, stride_q_head, stride_cache_block,
+                stride_cache_tok, stride_cache_head, GROUP, BLOCK_H, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                TILE_PAGES, DOT_PRECISION)
             if is_last | (tile == tile_hi - 1):
                 _write_request(out_ptr, part_out_ptr, part_lse_ptr, m, l, acc, req,
-                               is_last & (started == 1), tl.where(req == first_req, 0, 1),
+                               is_last & (has_start == 1), tl.where(req == first_req, 0, 1),
                                kv_head, prog, num_progs, stride_out_tok, stride_out_head,
                                GROUP, BLOCK_H, HEAD_DIM)
                 m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -225,13 +238,13 @@ def _decode_kernel(
         first_info = tl.load(tile_info_ptr + tile_lo)
         last_req = tl.load(tile_req_ptr + tile_hi - 1)
         last_info = tl.load(tile_info_ptr + tile_hi - 1)
-        first_cut = (first_info & _FIRST) == 0  # begun by an earlier range
-        last_cut = (last_info & _LAST) == 0  # finished by a later range
-        if first_cut:
+        is_first_cut = ((first_info >> _FIRST) & 1) == 0  # begun by an earlier range
+        is_last_cut = ((last_info >> _LAST) & 1) == 0  # finished by a later range
+        if is_first_cut:
             _merge_pieces(first_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
                           req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
                           stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
-        if last_cut & ((last_req != first_req) | (not first_cut)):
+        if is_last_cut & ((last_req != first_req) | (not is_first_cut)):
             _merge_pieces(last_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
                           req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
                           stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
@@ -259,10 +272,10 @@ def _programs_per_head(device: torch.device, num_kv_heads: int, cap: int, args: 
         compiled = _decode_kernel.warmup(*args, grid=(1, 1), **constexprs)  # compiles only
         compiled._init_handles()  # loads the binary, which gives its register count
         props = torch.cuda.get_device_properties(device)
-        threads = 32 * constexprs["num_warps"]
+        threads = props.warp_size * constexprs["num_warps"]
         _resident_per_sm[key] = max(1, min(
             props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024),
-            65536 // (-(-compiled.n_regs // 8) * 8 * threads),
+            65536 // (-(-compiled.n_regs // 8) * 8 * threads),  # 64K registers an SM (sm_70+)
             props.max_threads_per_multi_processor // threads))
     return max(1, min(cap, _num_sms(device) * _resident_per_sm[key] // num_kv_heads))
 
@@ -286,12 +299,13 @@ class DecodePlan:
     num_programs: int | None  # per kv head; None: as many as fill the GPU once
     max_programs: int  # per kv head, what the partial scratch holds
     tile_req: torch.Tensor  # [max_tiles] int32: the request of each tile
-    tile_info: torch.Tensor  # [max_tiles] int32: first-tile and last-tile flags
-    tile_slots: torch.Tensor  # [max_tiles * block_n] int32: each key's cache slot, -1 past the end
+    tile_info: torch.Tensor  # [max_tiles] int32: valid keys | first, last flags | page offset
+    tile_blocks: torch.Tensor  # [max_tiles * tile_pages] int32: each tile's block ids
     req_tile_start: torch.Tensor  # [num_reqs + 1] int32: first tile of each request; total
     counters: torch.Tensor  # [num_kv_heads, num_reqs] int32: pieces merged so far (zeros)
-    part_out: torch.Tensor  # [num_kv_heads, max_programs, 2, group, head_dim] float32
-    part_lse: torch.Tensor  # [num_kv_heads, max_programs, 2, group] float32
+    # per (kv head, program, slot) of a launch's programs (max_programs bounds them)
+    part_out: torch.Tensor  # [num_kv_heads * max_programs * 2 * group * head_dim] float32
+    part_lse: torch.Tensor  # [num_kv_heads * max_programs * 2 * group] float32
 
 
 def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -307,6 +321,7 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tens
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     block_n = block_n or _config(q.dtype, head_dim)["BLOCK_N"]
+    tile_pages = max(1, block_n // block_size)
     max_tiles = num_reqs * max(1, -(-block_tables.shape[1] * block_size // block_n))
     if num_programs is not None:
         num_programs = max(1, min(num_programs, max_tiles))
@@ -316,18 +331,19 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tens
     plan = DecodePlan(
         num_reqs=num_reqs, block_n=block_n, num_programs=num_programs, max_programs=max_programs,
         tile_req=torch.empty(max_tiles, **i32), tile_info=torch.empty(max_tiles, **i32),
-        tile_slots=torch.empty(max_tiles * block_n, **i32),
+        tile_blocks=torch.empty(max_tiles * tile_pages, **i32),
         req_tile_start=torch.empty(num_reqs + 1, **i32),
         counters=torch.empty(num_kv_heads, num_reqs, **i32),
-        part_out=torch.empty(num_kv_heads, max_programs, 2, group, head_dim, dtype=torch.float32,
-                             device=q.device),
-        part_lse=torch.empty(num_kv_heads, max_programs, 2, group, dtype=torch.float32,
+        part_out=torch.empty(num_kv_heads * max_programs * 2 * group * head_dim,
+                             dtype=torch.float32, device=q.device),
+        part_lse=torch.empty(num_kv_heads * max_programs * 2 * group, dtype=torch.float32,
                              device=q.device))
     if num_reqs:
         _plan_kernel[(num_reqs,)](
             seq_lens, block_tables, num_reqs, num_kv_heads, block_tables.stride(0),
-            plan.tile_req, plan.tile_info, plan.tile_slots, plan.req_tile_start, plan.counters,
-            BLOCK_N=block_n, PAGE_SIZE=block_size, CHUNK=PLAN_CHUNK, num_warps=4)
+            plan.tile_req, plan.tile_info, plan.tile_blocks, plan.req_tile_start, plan.counters,
+            BLOCK_N=block_n, PAGE_SIZE=block_size, TILE_PAGES=tile_pages, CHUNK=PLAN_CHUNK,
+            num_warps=4)
     return plan
 
 
@@ -338,9 +354,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """q: [num_reqs, num_heads, head_dim], the one new token of each request (its k/v already
     stored); k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32, cached tokens
-    including the new one. plan: this batch's `plan_decode` (built here when absent; a model
-    builds it once per forward). config: kernel settings over the defaults (num_warps,
-    num_stages), for tuning. Returns out: [num_reqs, num_heads, head_dim]."""
+    including the new one. plan: this batch's `plan_decode`, built here from block_tables and
+    seq_lens when absent (they are not read otherwise; a model builds one plan a forward).
+    config: kernel settings over the defaults (num_warps, num_stages), for tuning. Returns out:
+    [num_reqs, num_heads, head_dim]."""
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     check_paged_attention_inputs(q, k_cache, v_cache)
@@ -351,15 +368,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     if plan is None:
         plan = plan_decode(q, k_cache, block_tables, seq_lens)
-    assert plan.num_reqs == num_reqs
-    assert k_cache.stride(0) == block_size * k_cache.stride(1), "slots address whole blocks"
     group = num_heads // num_kv_heads
-    args = (q, k_cache, v_cache, out, plan.tile_req, plan.tile_info, plan.tile_slots,
+    assert plan.num_reqs == num_reqs and plan.counters.shape == (num_kv_heads, num_reqs)
+    assert plan.part_lse.numel() == num_kv_heads * plan.max_programs * 2 * group
+    assert plan.part_out.numel() == plan.part_lse.numel() * head_dim
+    assert plan.tile_req.device == q.device
+    args = (q, k_cache, v_cache, out, plan.tile_req, plan.tile_info, plan.tile_blocks,
             plan.req_tile_start, plan.counters, plan.part_out, plan.part_lse, scale * LOG2E,
-            num_reqs, q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
-            out.stride(0), out.stride(1))
+            num_reqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), out.stride(0), out.stride(1))
     constexprs = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-                      HEAD_DIM=head_dim,
+                      HEAD_DIM=head_dim, PAGE_SIZE=block_size,
+                      TILE_PAGES=max(1, plan.block_n // block_size),
                       **(_config(q.dtype, head_dim) | (config or {}) | dict(BLOCK_N=plan.block_n)))
     num_programs = plan.num_programs or _programs_per_head(q.device, num_kv_heads,
                                                            plan.max_programs, args, constexprs)

@@ -91,26 +91,34 @@ def test_padded_rows_write_zeros(dtype, num_programs, device, gen):
 
 
 def test_plan_lists_every_tile_in_request_order(device, gen):
-    """The tile list by hand: 16-key tiles (float32) over 4-token blocks; an empty request is
-    one tile of no keys; keys past a request's end have slot -1."""
+    """The tile list by hand: 16-key tiles (float32) over 4-token blocks, four block ids a tile;
+    an empty request is one tile of no keys."""
     lens = [17, 0, 16, 33]
     cache = make_paged_cache(lens, 4, 2, 16, torch.float32, device, gen)
     q = randn(len(lens), 4, 16, dtype=torch.float32, device=device, gen=gen)
     plan = plan_decode(q, cache.k_cache, cache.block_tables, int32(lens, device))
     assert plan.req_tile_start.tolist() == [0, 2, 3, 4, 7]
     assert plan.tile_req[:7].tolist() == [0, 0, 1, 2, 3, 3, 3]
-    first, last = 1, 2
-    assert plan.tile_info[:7].tolist() == [first, last, first | last, first | last, first, 0,
-                                           last]
-    tables = cache.block_tables.tolist()
-    slot = lambda req, pos: tables[req][pos // 4] * 4 + pos % 4  # noqa: E731
-    slots = plan.tile_slots.view(-1, 16)[:7].tolist()
-    assert slots[0] == [slot(0, pos) for pos in range(16)]
-    assert slots[1] == [slot(0, 16)] + [-1] * 15
-    assert slots[2] == [-1] * 16
-    assert slots[5] == [slot(3, pos) for pos in range(16, 32)]
-    assert slots[6] == [slot(3, 32)] + [-1] * 15
+    first, last = 1 << 16, 1 << 17
+    assert plan.tile_info[:7].tolist() == [16 | first, 1 | last, 0 | first | last,
+                                           16 | first | last, 16 | first, 16, 1 | last]
+    blocks = plan.tile_blocks.view(-1, 4)[:7]
+    tables = cache.block_tables
+    assert blocks[0].tolist() == tables[0, :4].tolist()
+    assert blocks[1].tolist() == [tables[0, 4].item(), 0, 0, 0]  # past the request: zeros
+    assert blocks[6].tolist() == [tables[3, 8].item(), 0, 0, 0]
     assert not plan.counters.any()
+
+
+def test_plan_of_tiles_inside_pages(device, gen):
+    """32-token blocks, 16-key tiles: one block id a tile and the tile's offset in its page."""
+    cache = make_paged_cache([40], 32, 2, 16, torch.float32, device, gen)
+    q = randn(1, 4, 16, dtype=torch.float32, device=device, gen=gen)
+    plan = plan_decode(q, cache.k_cache, cache.block_tables, int32([40], device))
+    first, last, offset = 1 << 16, 1 << 17, 1 << 18
+    assert plan.tile_info[:3].tolist() == [16 | first, 16 | 16 * offset, 8 | last]
+    table = cache.block_tables[0].tolist()
+    assert plan.tile_blocks[:3].tolist() == [table[0], table[0], table[1]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
