@@ -225,8 +225,10 @@ def sweep_rows(copy_bw: float) -> list[dict]:
         configs = [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4)]
         for block_n in (32, 64, 128):
             for programs in (8, 16, 32, 64, None):
-                plan = plan_decode(*args[:2], *args[3:5], num_programs=programs, block_n=block_n)
                 for config in configs if programs is None else [{}]:
+                    # a plan per config: a default plan keeps the count its first launch picks
+                    plan = plan_decode(*args[:2], *args[3:5], num_programs=programs,
+                                       block_n=block_n)
                     rows.append(measure_config("decode_attention", dict(
                         model=model, batch=batch, context=context, num_programs=programs,
                         config=config | dict(BLOCK_N=block_n)),

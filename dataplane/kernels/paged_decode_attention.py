@@ -296,7 +296,8 @@ class DecodePlan:
 
     num_reqs: int
     block_n: int
-    num_programs: int | None  # per kv head; None: as many as fill the GPU once
+    # per kv head; None: as many as fill the GPU once, resolved (and kept) by the first launch
+    num_programs: int | None
     max_programs: int  # per kv head, what the partial scratch holds
     tile_req: torch.Tensor  # [max_tiles] int32: the request of each tile
     tile_info: torch.Tensor  # [max_tiles] int32: valid keys | first, last flags | page offset
@@ -381,9 +382,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size,
                       TILE_PAGES=max(1, plan.block_n // block_size),
                       **(_config(q.dtype, head_dim) | (config or {}) | dict(BLOCK_N=plan.block_n)))
-    num_programs = plan.num_programs or _programs_per_head(q.device, num_kv_heads,
-                                                           plan.max_programs, args, constexprs)
-    _decode_kernel[(num_kv_heads, num_programs)](*args, **constexprs)
+    if plan.num_programs is None:  # once a plan: the layers after the first reuse it
+        plan.num_programs = _programs_per_head(q.device, num_kv_heads, plan.max_programs, args,
+                                               constexprs)
+    _decode_kernel[(num_kv_heads, plan.num_programs)](*args, **constexprs)
     return out
 
 
