@@ -19,6 +19,7 @@
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
 #                  bench-0.6b-tp2: split at TP=2 (the two-GPU machine)
 #   serving-0.6b   bench/serving.py: Poisson arrivals, TTFT/TPOT/ITL, with and without a front-end
+#   serving-0.6b-pg  the same (one front-end) with and without piecewise graphs for prompt steps
 # A machine takes ~40 s to start. Set SPLITSERVE_COMMIT to the hash, written out in the command
 # (the device machine's copy of the tree may carry a stale .git: `git rev-parse` there once
 # reported an older commit than the tree it ran):
@@ -90,6 +91,11 @@ for stage in "$@"; do
              --frontends $fe --request-rates 16 64 inf --num-requests 512 --input-len 512 \
              --output-len 256 --goodput ttft:500 tpot:50 --out "$OUT/serving-0.6b-fe$fe.json" 2>&1 \
              | grep -E "^rate|Error" | sed "s/^/fe$fe /"; done ;;
+    serving-0.6b-pg) for pg in on off; do extra=(); [ $pg = off ] && extra=(--serve-arg=--no-prompt-graphs)
+             timeout 200 python3 bench/serving.py --model qwen3-0.6b --device cuda "${extra[@]}" \
+             --request-rates 16 64 inf --num-requests 512 --input-len 512 \
+             --output-len 256 --goodput ttft:500 tpot:50 --out "$OUT/serving-0.6b-pg-$pg.json" 2>&1 \
+             | grep -E "^rate|Error|step" | sed "s/^/pg-$pg /"; done ;;
     bench-0.6b-tp2) timeout 400 python3 bench/throughput.py --model qwen3-0.6b --modes split --tp 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;
   esac

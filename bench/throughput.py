@@ -197,7 +197,8 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     from splitserve.llm import LLM
     llm = LLM(model_dir, device="cuda", load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+              enforce_eager=args.enforce_eager, prompt_graphs=not args.no_prompt_graphs,
+              attention_backend=args.attention_backend,
               gpu_memory_utilization=args.gpu_memory_utilization)
     llm.generate(*warm_up(prompts), ignore_eos=True)
     host = HostTimes(llm)
@@ -231,7 +232,8 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
         "--attention-backend", args.attention_backend, "--tp", str(args.tp),
         "--max-waiting-requests", "4096", "--step-timeout", "600",
         "--stream-interval", str(args.stream_interval), "--frontends", str(args.frontends),
-        *(["--enforce-eager"] if args.enforce_eager else [])]
+        *(["--enforce-eager"] if args.enforce_eager else []),
+        *(["--no-prompt-graphs"] if args.no_prompt_graphs else [])]
     with serve(serve_args, args.out_dir / f"serve-{args.model}.log") as address:
         warm_prompts, warm_sampling = warm_up(prompts)
 
@@ -272,6 +274,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-prompt-graphs", action="store_true",
+                        help="steps with prompt tokens eagerly (serve's --no-prompt-graphs)")
     parser.add_argument("--tp", type=int, default=1, help="split mode only")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="split mode only: serve's --stream-interval (tokens per message)")

@@ -1,12 +1,20 @@
-"""CUDA graphs of the decode step (model forward + LM head) for a set of batch sizes.
+"""CUDA graphs of the model's steps, so that a step costs the host a few launches instead of a
+few hundred (~10 kernels a layer, each 20-40 us of Python and Triton binding when eager).
 
-A decode step launches a few hundred small kernels; replaying a captured graph costs one launch.
+- `DecodeGraphs`: the whole decode step (model forward + LM head) for a set of batch sizes.
+- `MixedGraphs`: steps that carry prompt tokens, up to MAX_MIXED_TOKENS, as *pieces* (vLLM's
+  piecewise graphs): everything between two attention layers is one graph, and attention, whose
+  launches depend on the batch's lengths on the host, runs eagerly between the replays.
+
 Each graph reads fixed input buffers: a step copies its inputs into the first n rows, pads the
 rest of its bucket (slot -1: nothing stored; sequence length 0: nothing read) and replays the
-graph of the smallest captured size >= n. Prefill and mixed steps run eagerly.
+graphs of the smallest captured size >= n. Larger prompt steps run eagerly: their device time
+(~5 ms and more at 2k tokens of Qwen3-0.6B) already exceeds their host time.
 """
 
 import torch
+
+from dataplane.layers.attention import Attention
 
 from dataplane.forward_context import ForwardContext, forward_context
 from dataplane.input_batch import StepInputs
@@ -78,3 +86,99 @@ class DecodeGraphs:
         graph, logits = self.graphs[size]
         graph.replay()
         return None if logits is None else logits[:n]
+
+
+MAX_MIXED_TOKENS = 2048  # its activations, one forward's, fit the KV budget's 512 MB slack
+
+
+def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
+    top = min(MAX_MIXED_TOKENS, max_num_batched_tokens)
+    return [s for s in (32, 64, 128, 256, 512, 1024, 2048) if s < top] + [top]
+
+
+class MixedGraphs:
+    """Steps that carry prompt tokens as per-size lists of pieces: piece i runs from layer i-1's
+    attention output (the embedding, for i = 0) to layer i's queries, K/V store included; the
+    last piece ends at the final norm. Between two replays the runner attends eagerly over the
+    real tokens, reading the queries from `q` and writing the output to `out`, the two buffers
+    every piece and size shares. The LM head and sampling stay eager (their row count varies)."""
+
+    def __init__(self, model: torch.nn.Module, max_num_batched_tokens: int, num_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.sizes = mixed_sizes(max_num_batched_tokens)
+        n = self.sizes[-1]
+        i64 = dict(dtype=torch.int64, device=device)
+        self.token_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), -1, **i64)
+        self.q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+        self.out = torch.zeros_like(self.q)
+        # size -> (pieces, the attention layer after each piece but the last, final hidden)
+        self.graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], list[Attention],
+                                     torch.Tensor]] = {}
+
+    def _context(self, size: int, split) -> ForwardContext:
+        """What the pieces read: the slots of the K/V store (attention is not captured)."""
+        device = self.token_ids.device
+        return ForwardContext(
+            query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
+            logits_indices=self.token_ids[:0], max_query_len=size, max_seq_len=size,
+            query_start_loc_host=None, seq_lens_host=None, split_at_attention=split)
+
+    def _forward(self, size: int, split) -> torch.Tensor:
+        with forward_context(self._context(size, split)):
+            return self.model(self.token_ids[:size], self.positions[:size])
+
+    def _capture_size(self, size: int, pool) -> None:
+        pieces, layers = [torch.cuda.CUDAGraph()], []
+
+        def split(layer: Attention, q: torch.Tensor) -> torch.Tensor:
+            self.q[:size].copy_(q)
+            pieces[-1].capture_end()
+            layers.append(layer)
+            pieces.append(torch.cuda.CUDAGraph())
+            pieces[-1].capture_begin(pool=pool)
+            return self.out[:size]
+
+        pieces[0].capture_begin(pool=pool)
+        hidden = self._forward(size, split)
+        pieces[-1].capture_end()
+        assert len(layers) == len(self.model.attention_layers()), "a layer attended in a piece"
+        self.graphs[size] = (pieces, layers, hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for size in reversed(self.sizes):  # largest first: smaller ones reuse its memory
+            self._forward(size, lambda layer, q: self.out[:size])  # warm-up: allocator, cuBLAS
+            torch.cuda.synchronize()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._capture_size(size, pool)
+            torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def fits(self, inputs: StepInputs) -> bool:
+        return inputs.token_ids.shape[0] <= self.sizes[-1]
+
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's logits (rank 0; None elsewhere)."""
+        ctx = inputs.context
+        n = inputs.token_ids.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        self.token_ids[:n] = inputs.token_ids
+        self.positions[:n] = inputs.positions
+        self.slot_mapping[:n] = ctx.slot_mapping
+        self.slot_mapping[n:size] = -1
+        pieces, layers, hidden = self.graphs[size]
+        with forward_context(ctx):
+            for piece, layer in zip(pieces, layers):
+                piece.replay()
+                self.out[:n] = layer.attend(self.q[:n])
+            pieces[-1].replay()
+            return self.model.compute_logits(hidden[:n])

@@ -7,7 +7,7 @@ attention layers and the LM head; reading it outside a forward pass raises.
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -34,6 +34,10 @@ class ForwardContext:
     # (the Triton decode kernel's tile list). The first attention layer clears it, so each
     # forward rebuilds it on the device, inside a CUDA graph's capture too.
     attention_plan: object | None = None
+    # Set only while MixedGraphs captures a step's pieces: the attention layers hand it their
+    # queries instead of attending (attention runs eagerly between the pieces' replays) and
+    # continue with what it returns. (layer, q [T, heads, head_dim]) -> out [T, heads, head_dim]
+    split_at_attention: Callable[[object, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from common.wire import pack_f32, pack_i32
 from dataplane import kv_cache
 from dataplane.attention import AttentionBackend, make_backend
-from dataplane.cuda_graphs import DecodeGraphs
+from dataplane.cuda_graphs import DecodeGraphs, MixedGraphs
 from dataplane.distributed import broadcast_from_rank0, tp_rank
 from dataplane.forward_context import ForwardContext, forward_context
 from dataplane.input_batch import BatchLimits, InputBatch, StepInputs
@@ -38,6 +38,7 @@ class RunnerConfig:
     cpu_kv_cache_gib: float = 1.0  # KV cache budget on CPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the data plane may hold
     enforce_eager: bool = False  # no CUDA graphs
+    prompt_graphs: bool = True  # steps with prompt tokens as piecewise graphs (cuda_graphs.py)
     load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
 
     def __post_init__(self) -> None:
@@ -84,6 +85,7 @@ class ModelRunner:
         self.batch: InputBatch | None = None
         self.kv: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
 
     @classmethod
     def load(cls, config: RunnerConfig) -> "ModelRunner":
@@ -106,9 +108,9 @@ class ModelRunner:
     # -- set-up --------------------------------------------------------------------------------
 
     def configure(self, limits: link_pb2.Configure) -> int:
-        """Size and allocate the KV cache and slot tables for these limits, capture the decode
+        """Size and allocate the KV cache and slot tables for these limits, capture the CUDA
         graphs; returns the number of KV blocks."""
-        self.kv = self.graphs = self.batch = None  # free the previous epoch's memory first
+        self.kv = self.graphs = self.mixed_graphs = self.batch = None  # free the old epoch's first
         batch_limits = BatchLimits(limits.max_num_seqs, limits.max_model_len,
                                    limits.max_num_batched_tokens, self.block_size, self.vocab_size)
         layers = self.model.attention_layers()
@@ -126,12 +128,18 @@ class ModelRunner:
                                        batch_limits.max_blocks_per_seq, limits.max_model_len,
                                        self.device)
             self.graphs.capture()
+            if self.config.prompt_graphs:
+                attention = layers[0]
+                self.mixed_graphs = MixedGraphs(self.model, limits.max_num_batched_tokens,
+                                                attention.num_heads, attention.head_dim,
+                                                self.dtype, self.device)
+                self.mixed_graphs.capture()
         return num_blocks
 
     def release(self) -> None:
         """Drop the model, KV cache and graphs, and give their device memory back (another
         process on the same GPU sizes its KV cache from what is free)."""
-        self.kv = self.graphs = self.batch = None
+        self.kv = self.graphs = self.mixed_graphs = self.batch = None
         self.model = None
         gc.collect()  # whatever of it sits in reference cycles
         if self.device.type == "cuda":
@@ -251,6 +259,8 @@ class ModelRunner:
         inputs = self.batch.prepare(slots, num_computed, num_scheduled)
         if self.graphs is not None and self.graphs.fits(inputs):
             return self.graphs.run(inputs), inputs
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(inputs):
+            return self.mixed_graphs.run(inputs), inputs
         with forward_context(inputs.context):
             hidden = self.model(inputs.token_ids, inputs.positions)
             logits = self.model.compute_logits(hidden)

@@ -80,6 +80,8 @@ def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str)
             args.load_format, "--log-level", args.log_level]
     if args.enforce_eager:
         argv.append("--enforce-eager")
+    if args.no_prompt_graphs:
+        argv.append("--no-prompt-graphs")
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     return argv
@@ -125,7 +127,8 @@ def _dataplane(args: argparse.Namespace, argv: list[str]) -> None:
                           attention_backend=args.attention_backend, block_size=args.block_size,
                           num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.kv_cache_gib,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          enforce_eager=args.enforce_eager, load_format=args.load_format)
+                          enforce_eager=args.enforce_eager,
+                          prompt_graphs=not args.no_prompt_graphs, load_format=args.load_format)
     config = DataPlaneConfig(runner=runner, controlplane_address=args.controlplane_address,
                              tp=args.tp, rank=args.rank, dist_init_method=args.dist_init_method,
                              parent_pid=args.parent_pid, liveness_file=args.liveness_file,

@@ -95,7 +95,10 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                    help="share of each GPU's memory the data plane may hold; the KV cache gets "
                         "what weights and a profiled worst-case step leave (default %(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode steps")
+                   help="no CUDA graphs (by default decode steps replay whole-step graphs and "
+                        "steps with up to 2048 prompt and decode tokens piecewise ones)")
+    p.add_argument("--no-prompt-graphs", action="store_true",
+                   help="run steps that carry prompt tokens eagerly (decode steps keep theirs)")
     p.add_argument("--load-format", choices=("safetensors", "dummy"), default="safetensors",
                    help="dummy: random weights instead of the checkpoint's (benchmarks; the "
                         "model directory then needs only config.json and tokenizer.json)")

@@ -1,6 +1,6 @@
 """The data plane on CUDA against the CPU float32 path and transformers, on the tiny test
 checkpoints: bf16 keeps the greedy tokens of the first steps and close logprobs; CUDA graphs
-give what eager gives; TP=2 over NCCL gives what TP=1 gives; the whole stack on CUDA is greedy-
+(whole decode steps, piecewise steps with prompt tokens) give what eager gives; TP=2 over NCCL gives what TP=1 gives; the whole stack on CUDA is greedy-
 identical to transformers in float32."""
 
 import json
@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 PROMPTS = [[5, 17, 99, 3, 250, 7, 81], [11], list(range(60, 97)), [42] * 20]
 
 
-def greedy(model, n, **options):
-    llm = LLM(model, max_num_seqs=8, max_num_batched_tokens=512, **options)
+def greedy(model, n, max_num_batched_tokens=512, **options):
+    llm = LLM(model, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, **options)
     try:
         return llm.generate(PROMPTS, max_tokens=n, temperature=0, ignore_eos=True, logprobs=5)
     finally:
@@ -48,6 +48,20 @@ def test_float32_on_cuda_equals_transformers_with_graphs_and_eager(checkpoints):
     graphs = greedy(model, 24, device="cuda", dtype="float32")
     eager = greedy(model, 24, device="cuda", dtype="float32", enforce_eager=True)
     assert [c.token_ids for c in graphs] == expected
+    assert [c.token_ids for c in eager] == expected
+
+
+def test_float32_prompt_chunks_mixed_with_decodes_replay_piecewise_graphs(checkpoints):
+    """A 16-token budget cuts the 37-token prompt into chunks that share steps with the other
+    requests' decodes: steps of 9-16 tokens, padded to the one piecewise size (16), whose
+    attention runs eagerly between the pieces. Greedy tokens as transformers', with the prompt
+    graphs and without them."""
+    model = checkpoints["untied"]
+    expected = [hf_greedy(model, p, 12) for p in PROMPTS]
+    pieces = greedy(model, 12, max_num_batched_tokens=16, device="cuda", dtype="float32")
+    eager = greedy(model, 12, max_num_batched_tokens=16, device="cuda", dtype="float32",
+                   prompt_graphs=False)
+    assert [c.token_ids for c in pieces] == expected
     assert [c.token_ids for c in eager] == expected
 
 
