@@ -20,6 +20,7 @@
 #                  bench-0.6b-tp2: split at TP=2 (the two-GPU machine)
 #   serving-0.6b   bench/serving.py: Poisson arrivals, TTFT/TPOT/ITL, with and without a front-end
 #   serving-0.6b-pg  the same (one front-end) with and without piecewise graphs for prompt steps
+#                  (PG="on" or PG="off": only that one)
 # A machine takes ~40 s to start. Set SPLITSERVE_COMMIT to the hash, written out in the command
 # (the device machine's copy of the tree may carry a stale .git: `git rev-parse` there once
 # reported an older commit than the tree it ran):
@@ -91,7 +92,7 @@ for stage in "$@"; do
              --frontends $fe --request-rates 16 64 inf --num-requests 512 --input-len 512 \
              --output-len 256 --goodput ttft:500 tpot:50 --out "$OUT/serving-0.6b-fe$fe.json" 2>&1 \
              | grep -E "^rate|Error" | sed "s/^/fe$fe /"; done ;;
-    serving-0.6b-pg) for pg in on off; do extra=(); [ $pg = off ] && extra=(--serve-arg=--no-prompt-graphs)
+    serving-0.6b-pg) for pg in ${PG:-on off}; do extra=(); [ $pg = off ] && extra=(--serve-arg=--no-prompt-graphs)
              timeout 200 python3 bench/serving.py --model qwen3-0.6b --device cuda "${extra[@]}" \
              --request-rates 16 64 inf --num-requests 512 --input-len 512 \
              --output-len 256 --goodput ttft:500 tpot:50 --out "$OUT/serving-0.6b-pg-$pg.json" 2>&1 \

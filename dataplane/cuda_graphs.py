@@ -129,8 +129,8 @@ class MixedGraphs:
             logits_indices=self.token_ids[:0], max_query_len=size, max_seq_len=size,
             query_start_loc_host=None, seq_lens_host=None, split_at_attention=split)
 
-    def _forward(self, size: int, split) -> torch.Tensor:
-        with forward_context(self._context(size, split)):
+    def _forward(self, ctx: ForwardContext, size: int) -> torch.Tensor:
+        with forward_context(ctx):
             return self.model(self.token_ids[:size], self.positions[:size])
 
     def _capture_size(self, size: int, pool) -> None:
@@ -144,9 +144,12 @@ class MixedGraphs:
             pieces[-1].capture_begin(pool=pool)
             return self.out[:size]
 
+        ctx = self._context(size, split)  # its tensors made before capturing: no host copies
         pieces[0].capture_begin(pool=pool)
-        hidden = self._forward(size, split)
-        pieces[-1].capture_end()
+        try:
+            hidden = self._forward(ctx, size)
+        finally:  # a failed capture must not leave the stream capturing
+            pieces[-1].capture_end()
         assert len(layers) == len(self.model.attention_layers()), "a layer attended in a piece"
         self.graphs[size] = (pieces, layers, hidden)
 
@@ -155,7 +158,7 @@ class MixedGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for size in reversed(self.sizes):  # largest first: smaller ones reuse its memory
-            self._forward(size, lambda layer, q: self.out[:size])  # warm-up: allocator, cuBLAS
+            self._forward(self._context(size, lambda layer, q: self.out[:size]), size)  # warm-up
             torch.cuda.synchronize()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
