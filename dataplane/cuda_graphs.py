@@ -88,7 +88,7 @@ class DecodeGraphs:
         return None if logits is None else logits[:n]
 
 
-MAX_MIXED_TOKENS = 2048  # its activations, one forward's, fit the KV budget's 512 MB slack
+MAX_MIXED_TOKENS = 2048  # the KV budget sets aside the graphs' pool: a forward's activations
 
 
 def mixed_sizes(max_num_batched_tokens: int) -> list[int]:

@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from common.wire import pack_f32, pack_i32
 from dataplane import kv_cache
 from dataplane.attention import AttentionBackend, make_backend
-from dataplane.cuda_graphs import DecodeGraphs, MixedGraphs
+from dataplane.cuda_graphs import MAX_MIXED_TOKENS, DecodeGraphs, MixedGraphs
 from dataplane.distributed import broadcast_from_rank0, tp_rank
 from dataplane.forward_context import ForwardContext, forward_context
 from dataplane.input_batch import BatchLimits, InputBatch, StepInputs
@@ -122,8 +122,7 @@ class ModelRunner:
         self.batch = InputBatch(batch_limits, self.device)
         if self.device.type == "cuda":
             self._compile_kernels(batch_limits, num_blocks)
-        if self.device.type == "cuda" and not self.config.enforce_eager and \
-                self.backend.name != "torch":
+        if self._uses_graphs:
             self.graphs = DecodeGraphs(self.model, limits.max_num_seqs,
                                        batch_limits.max_blocks_per_seq, limits.max_model_len,
                                        self.device)
@@ -135,6 +134,11 @@ class ModelRunner:
                                                 self.dtype, self.device)
                 self.mixed_graphs.capture()
         return num_blocks
+
+    @property
+    def _uses_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and \
+            self.backend.name != "torch"
 
     def release(self) -> None:
         """Drop the model, KV cache and graphs, and give their device memory back (another
@@ -149,7 +153,8 @@ class ModelRunner:
     def _kv_budget(self, limits: BatchLimits) -> int:
         """Bytes for the KV cache. On CUDA: the configured share of the device, less what is in
         use (weights, context) and the peak of a worst-case step (a full prefill plus sampling
-        max_num_seqs rows with every sampling feature), measured by running one."""
+        max_num_seqs rows with every sampling feature), measured by running one, and what the
+        CUDA graphs keep: 512 MB, plus that peak scaled to the prompt graphs' largest size."""
         if self.device.type == "cpu":
             return int(self.config.cpu_kv_cache_gib * (1 << 30))
         torch.cuda.synchronize()
@@ -162,6 +167,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         graphs_and_slack = 512 << 20
+        if self._uses_graphs and self.config.prompt_graphs:
+            # the prompt graphs' pool keeps one forward's activations at their largest size
+            share = min(1.0, MAX_MIXED_TOKENS / limits.max_num_batched_tokens)
+            graphs_and_slack += int(peak * share)
         return int(total * self.config.gpu_memory_utilization - (total - free) - peak
                    - graphs_and_slack)
 
