@@ -134,23 +134,37 @@ class MixedGraphs:
             return self.model(self.token_ids[:size], self.positions[:size])
 
     def _capture_size(self, size: int, pool) -> None:
-        pieces, layers = [torch.cuda.CUDAGraph()], []
+        pieces, layers = [], []
+        capturing = False
+
+        def begin() -> None:
+            nonlocal capturing
+            pieces.append(torch.cuda.CUDAGraph())
+            pieces[-1].capture_begin(pool=pool)
+            capturing = True
+
+        def end() -> None:
+            nonlocal capturing
+            capturing = False  # first: a failing capture_end is not ended twice
+            pieces[-1].capture_end()
 
         def split(layer: Attention, q: torch.Tensor) -> torch.Tensor:
             self.q[:size].copy_(q)
-            pieces[-1].capture_end()
+            end()
             layers.append(layer)
-            pieces.append(torch.cuda.CUDAGraph())
-            pieces[-1].capture_begin(pool=pool)
+            begin()
             return self.out[:size]
 
         ctx = self._context(size, split)  # its tensors made before capturing: no host copies
-        pieces[0].capture_begin(pool=pool)
+        begin()
         try:
             hidden = self._forward(ctx, size)
         finally:  # a failed capture must not leave the stream capturing
-            pieces[-1].capture_end()
-        assert len(layers) == len(self.model.attention_layers()), "a layer attended in a piece"
+            if capturing:
+                end()
+        if len(layers) != len(self.model.attention_layers()):
+            raise RuntimeError(f"{len(layers)} of {len(self.model.attention_layers())} attention "
+                               "layers split the forward: the others attended inside a piece")
         self.graphs[size] = (pieces, layers, hidden)
 
     @torch.inference_mode()

@@ -111,6 +111,7 @@ class ModelRunner:
         """Size and allocate the KV cache and slot tables for these limits, capture the CUDA
         graphs; returns the number of KV blocks."""
         self.kv = self.graphs = self.mixed_graphs = self.batch = None  # free the old epoch's first
+        self._unbind_kv_cache()  # the layers' views would keep the old cache through the sizing
         batch_limits = BatchLimits(limits.max_num_seqs, limits.max_model_len,
                                    limits.max_num_batched_tokens, self.block_size, self.vocab_size)
         layers = self.model.attention_layers()
@@ -122,17 +123,19 @@ class ModelRunner:
         self.batch = InputBatch(batch_limits, self.device)
         if self.device.type == "cuda":
             self._compile_kernels(batch_limits, num_blocks)
-        if self._uses_graphs:
-            self.graphs = DecodeGraphs(self.model, limits.max_num_seqs,
-                                       batch_limits.max_blocks_per_seq, limits.max_model_len,
-                                       self.device)
-            self.graphs.capture()
+        if self._uses_graphs:  # each kept only once all of its sizes are captured
+            graphs = DecodeGraphs(self.model, limits.max_num_seqs,
+                                  batch_limits.max_blocks_per_seq, limits.max_model_len,
+                                  self.device)
+            graphs.capture()
+            self.graphs = graphs
             if self.config.prompt_graphs:
                 attention = layers[0]
-                self.mixed_graphs = MixedGraphs(self.model, limits.max_num_batched_tokens,
-                                                attention.num_heads, attention.head_dim,
-                                                self.dtype, self.device)
-                self.mixed_graphs.capture()
+                mixed = MixedGraphs(self.model, limits.max_num_batched_tokens,
+                                    attention.num_heads, attention.head_dim, self.dtype,
+                                    self.device)
+                mixed.capture()
+                self.mixed_graphs = mixed
         return num_blocks
 
     @property
@@ -190,7 +193,10 @@ class ModelRunner:
             batch.output_counts = torch.zeros_like(logits, dtype=torch.float32)
             batch.prompt_mask = torch.zeros_like(logits, dtype=torch.bool)
             sample(logits, batch)
-        for layer in layers:
+        self._unbind_kv_cache()
+
+    def _unbind_kv_cache(self) -> None:
+        for layer in self.model.attention_layers():
             layer.bind_kv_cache(torch.empty(0), torch.empty(0), self.backend)
 
     def _compile_kernels(self, limits: BatchLimits, num_blocks: int) -> None:

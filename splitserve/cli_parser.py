@@ -93,10 +93,11 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget per rank on CPU, GiB (default %(default)s)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of each GPU's memory the data plane may hold; the KV cache gets "
-                        "what weights and a profiled worst-case step leave (default %(default)s)")
+                        "what weights, a profiled worst-case step and the CUDA graphs' memory "
+                        "leave (default %(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (by default decode steps replay whole-step graphs and "
-                        "steps with up to 2048 prompt and decode tokens piecewise ones)")
+                        "steps with prompt tokens piecewise ones, up to 2048 tokens a step)")
     p.add_argument("--no-prompt-graphs", action="store_true",
                    help="run steps that carry prompt tokens eagerly (decode steps keep theirs)")
     p.add_argument("--load-format", choices=("safetensors", "dummy"), default="safetensors",

@@ -49,7 +49,8 @@ class Attention(nn.Module):
                              v: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
                              cos_sin_cache: torch.Tensor) -> torch.Tensor:
         """CUDA only: per-head RMSNorm of q and k, RoPE, and the store of k and v at the step's
-        slots in one kernel (Qwen3's attention prologue), then attention over the cache."""
+        slots in one kernel (Qwen3's attention prologue), then attention over the cache, or,
+        while a piecewise graph is captured, what the context's split_at_attention returns."""
         from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
         ctx = self._context()
         q = qk_norm_rope_store(positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps,

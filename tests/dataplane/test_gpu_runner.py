@@ -1,7 +1,8 @@
 """The data plane on CUDA against the CPU float32 path and transformers, on the tiny test
 checkpoints: bf16 keeps the greedy tokens of the first steps and close logprobs; CUDA graphs
-(whole decode steps, piecewise steps with prompt tokens) give what eager gives; TP=2 over NCCL gives what TP=1 gives; the whole stack on CUDA is greedy-
-identical to transformers in float32."""
+(whole decode steps, piecewise steps with prompt tokens) give what eager gives; TP=2 over NCCL
+gives what TP=1 gives; the whole stack on CUDA is greedy-identical to transformers in
+float32."""
 
 import json
 import os

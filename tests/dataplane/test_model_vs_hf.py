@@ -113,3 +113,23 @@ def test_logprobs_of_a_step_survive_its_slot_being_reused_by_the_next_step(pair)
     result = runner.finish(first)
     assert len(unpack_f32(result.sampled_logprobs)) == 1
     assert len(unpack_i32(result.top_token_ids)) == 3
+
+
+def test_reconfigure_unbinds_the_old_kv_cache_before_sizing_the_new(pair, monkeypatch):
+    """On CUDA the budget is what is allocated before and during a profiling step: a layer still
+    holding a view of the old cache kept it allocated until that step rebound the layer, which
+    shrank the measured peak (on the H200 a re-attach got ~2.3 GB more KV cache than its
+    budget)."""
+    runner, _ = pair
+    runner.configure(configure())
+    budget, seen = runner._kv_budget, []
+
+    def measured(limits):
+        seen.append([layer.k_cache.numel() + layer.v_cache.numel()
+                     for layer in runner.model.attention_layers()])
+        return budget(limits)
+
+    monkeypatch.setattr(runner, "_kv_budget", measured)
+    runner.configure(configure())
+    assert seen == [[0] * len(runner.model.attention_layers())]
+
