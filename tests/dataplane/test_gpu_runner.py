@@ -12,7 +12,9 @@ import sys
 import pytest
 import torch
 
+from dataplane.model_runner import ModelRunner, RunnerConfig
 from splitserve.llm import LLM
+from tests.dataplane.steps import Sched, configure, make_step
 from tests.integration import harness
 from tests.reference import hf_greedy, hf_logprobs
 
@@ -64,6 +66,55 @@ def test_float32_prompt_chunks_mixed_with_decodes_replay_piecewise_graphs(checkp
                    prompt_graphs=False)
     assert [c.token_ids for c in pieces] == expected
     assert [c.token_ids for c in eager] == expected
+
+
+def steps_with_prompts(runner: ModelRunner) -> list[torch.Tensor]:
+    """Three steps with prompt tokens: 60 prompt tokens (padded to 64 in the piecewise graphs),
+    3 decodes and a 400-token prompt (to 512), 4 decodes and a 20-token prompt (to 32, after
+    the larger sizes: its padded rows hold stale data). Returns each step's logits."""
+    vocab = runner.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    next_block = 0
+
+    def blocks(n: int) -> list[int]:
+        nonlocal next_block
+        count = -(-(n + 4) // runner.block_size)  # n tokens and the decodes after them
+        next_block += count
+        return list(range(next_block - count, next_block))
+
+    lengths = {0: 40, 1: 7, 2: 13, 3: 400, 4: 20}
+    new = {slot: Sched(slot, 0, n, blocks(n), new_tokens=prompt(n)) for slot, n in lengths.items()}
+    computed = {}
+    logits = []
+    for step_id, (running, arriving) in enumerate([([], [0, 1, 2]), ([0, 1, 2], [3]),
+                                                   ([0, 1, 2, 3], [4])], start=1):
+        scheds = [Sched(slot, computed[slot], 1) for slot in running]
+        scheds += [new[slot] for slot in arriving]
+        step_logits, inputs = runner.forward(make_step(step_id, scheds))
+        logits.append(step_logits.float().cpu())
+        sampled = torch.full((len(inputs.sampled_slots),), 5, device=runner.device)
+        runner.batch.append_sampled(inputs, sampled)
+        for s in scheds:
+            computed[s.slot] = s.num_computed + s.num_scheduled
+    return logits
+
+
+@pytest.mark.parametrize("name", ["untied", "moe"])
+def test_prompt_graphs_give_the_eager_logits(checkpoints, moe_checkpoints, name):
+    """The piecewise graphs (the dense model and the MoE one, whose experts run inside the
+    pieces) against the same steps run eagerly, float32."""
+    path = {**checkpoints, **moe_checkpoints}[name]
+    logits = {}
+    for eager in (True, False):
+        runner = ModelRunner.load(RunnerConfig(model_dir=path, device="cuda", dtype="float32",
+                                               num_kv_blocks=128, enforce_eager=eager))
+        runner.configure(configure(max_model_len=512))
+        assert (runner.mixed_graphs is None) == eager
+        logits[eager] = steps_with_prompts(runner)
+        runner.release()
+    for graphs, eager in zip(logits[False], logits[True]):
+        torch.testing.assert_close(graphs, eager, atol=1e-4, rtol=0)
 
 
 def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path):
