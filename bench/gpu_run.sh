@@ -38,6 +38,15 @@ fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+# serving_06b NAME ARGS...: bench/serving.py on Qwen3-0.6B shapes (Poisson rates 16 and 64 req/s,
+# then all at once), its JSON to $OUT/serving-0.6b-NAME.json, its rows prefixed with NAME
+serving_06b() {
+  local name=$1; shift
+  timeout 200 python3 bench/serving.py --model qwen3-0.6b --device cuda "$@" \
+    --request-rates 16 64 inf --num-requests 512 --input-len 512 --output-len 256 \
+    --goodput ttft:500 tpot:50 --out "$OUT/serving-0.6b-$name.json" 2>&1 \
+    | grep -E "^rate|Error" | sed "s/^/$name /"
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -88,15 +97,9 @@ for stage in "$@"; do
     bench-30b) timeout 300 python3 bench/throughput.py --model qwen3-30b-a3b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-si4) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --stream-interval 4 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fe0) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --frontends 0 --out-dir "$OUT" 2>&1 | tail -20 ;;
-    serving-0.6b) for fe in 1 0; do timeout 200 python3 bench/serving.py --model qwen3-0.6b --device cuda \
-             --frontends $fe --request-rates 16 64 inf --num-requests 512 --input-len 512 \
-             --output-len 256 --goodput ttft:500 tpot:50 --out "$OUT/serving-0.6b-fe$fe.json" 2>&1 \
-             | grep -E "^rate|Error" | sed "s/^/fe$fe /"; done ;;
+    serving-0.6b) for fe in 1 0; do serving_06b fe$fe --frontends $fe; done ;;
     serving-0.6b-pg) for pg in ${PG:-on off}; do extra=(); [ $pg = off ] && extra=(--serve-arg=--no-prompt-graphs)
-             timeout 200 python3 bench/serving.py --model qwen3-0.6b --device cuda "${extra[@]}" \
-             --request-rates 16 64 inf --num-requests 512 --input-len 512 \
-             --output-len 256 --goodput ttft:500 tpot:50 --out "$OUT/serving-0.6b-pg-$pg.json" 2>&1 \
-             | grep -E "^rate|Error|step" | sed "s/^/pg-$pg /"; done ;;
+             serving_06b pg-$pg "${extra[@]}"; done ;;
     bench-0.6b-tp2) timeout 400 python3 bench/throughput.py --model qwen3-0.6b --modes split --tp 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -14,7 +14,7 @@ import torch
 
 import run_info
 from kernels import BLOCK, HEAD_DIM, MODELS, bench_ms, copy_bandwidth, kv_bytes, paged_problem
-from tune_decode import SHAPES, problem
+from tune_decode import SHAPES, batch_contexts
 
 from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
 
@@ -39,7 +39,7 @@ def main() -> None:
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
                   copy_bandwidth_gbps=copy_bw / 1e9, rows=[])
     for model, rows, lo, hi in SHAPES:
-        _, contexts = problem(model, rows, lo, hi)
+        contexts = batch_contexts(rows, lo, hi)
         for fill, move in FILLS.items():
             for block_n in (128, 64):
                 r = measure(model, [move(c) for c in contexts], block_n, copy_bw)

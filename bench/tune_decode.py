@@ -54,11 +54,16 @@ def measure(args: tuple, programs_per_sm: int | None, config: dict, moved: int,
     return result | dict(ms=ms, fraction_of_copy_bw=moved / (ms * 1e-3) / copy_bw)
 
 
+def batch_contexts(rows: int, lo: int, hi: int) -> list[int]:
+    """The contexts of a decode batch of `rows` requests, uniform in [lo, hi] (seeded by rows)."""
+    rng = random.Random(rows)
+    return [rng.randint(lo, hi) for _ in range(rows)]
+
+
 def problem(model: str, rows: int, lo: int, hi: int) -> tuple[tuple, list[int]]:
     """A decode batch of `rows` requests with contexts uniform in [lo, hi]: the kernel's
     arguments and the contexts."""
-    rng = random.Random(rows)
-    contexts = [rng.randint(lo, hi) for _ in range(rows)]
+    contexts = batch_contexts(rows, lo, hi)
     p = paged_problem([1] * rows, [c - 1 for c in contexts], MODELS[model], BLOCK)
     args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["seq_lens"],
             HEAD_DIM ** -0.5)

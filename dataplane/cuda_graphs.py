@@ -14,10 +14,27 @@ graphs of the smallest captured size >= n. Larger prompt steps run eagerly: thei
 
 import torch
 
-from dataplane.layers.attention import Attention
-
 from dataplane.forward_context import ForwardContext, forward_context
 from dataplane.input_batch import StepInputs
+from dataplane.layers.attention import Attention
+
+
+class StepBuffers:
+    """The token inputs every captured forward reads, for up to n tokens: a step copies its
+    own into the first rows; the rest of its bucket stores nothing (slot -1)."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        i64 = dict(dtype=torch.int64, device=device)
+        self.token_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), -1, **i64)
+
+    def load(self, inputs: StepInputs, size: int) -> None:
+        n = inputs.token_ids.shape[0]
+        self.token_ids[:n] = inputs.token_ids
+        self.positions[:n] = inputs.positions
+        self.slot_mapping[:n] = inputs.context.slot_mapping
+        self.slot_mapping[n:size] = -1
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -33,25 +50,22 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         n = max_num_seqs
-        i64 = dict(dtype=torch.int64, device=device)
-        self.token_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), -1, **i64)
+        self.inputs = StepBuffers(n, device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(n, **i64)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
 
     def _context(self, size: int) -> ForwardContext:
         return ForwardContext(
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+            slot_mapping=self.inputs.slot_mapping[:size], block_tables=self.block_tables[:size],
             logits_indices=self.logits_indices[:size], max_query_len=1,
             max_seq_len=self.max_model_len, query_start_loc_host=None, seq_lens_host=None)
 
     def _forward(self, size: int) -> torch.Tensor | None:
-        hidden = self.model(self.token_ids[:size], self.positions[:size])
+        hidden = self.model(self.inputs.token_ids[:size], self.inputs.positions[:size])
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -76,10 +90,7 @@ class DecodeGraphs:
         ctx = inputs.context
         n = ctx.num_reqs
         size = next(s for s in self.sizes if s >= n)
-        self.token_ids[:n] = inputs.token_ids
-        self.positions[:n] = inputs.positions
-        self.slot_mapping[:n] = ctx.slot_mapping
-        self.slot_mapping[n:size] = -1
+        self.inputs.load(inputs, size)
         self.seq_lens[:n] = ctx.seq_lens
         self.seq_lens[n:size] = 0
         self.block_tables[:n, :ctx.block_tables.shape[1]] = ctx.block_tables
@@ -92,8 +103,11 @@ MAX_MIXED_TOKENS = 2048  # the KV budget sets aside the graphs' pool: a forward'
 
 
 def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
-    top = min(MAX_MIXED_TOKENS, max_num_batched_tokens)
-    return [s for s in (32, 64, 128, 256, 512, 1024, 2048) if s < top] + [top]
+    """Powers of two from 32, then the largest step the graphs take."""
+    top, sizes = min(MAX_MIXED_TOKENS, max_num_batched_tokens), []
+    while (size := 32 << len(sizes)) < top:
+        sizes.append(size)
+    return sizes + [top]
 
 
 class MixedGraphs:
@@ -108,10 +122,7 @@ class MixedGraphs:
         self.model = model
         self.sizes = mixed_sizes(max_num_batched_tokens)
         n = self.sizes[-1]
-        i64 = dict(dtype=torch.int64, device=device)
-        self.token_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), -1, **i64)
+        self.inputs = StepBuffers(n, device)
         self.q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
         self.out = torch.zeros_like(self.q)
         # size -> (pieces, the attention layer after each piece but the last, final hidden)
@@ -120,18 +131,18 @@ class MixedGraphs:
 
     def _context(self, size: int, split) -> ForwardContext:
         """What the pieces read: the slots of the K/V store (attention is not captured)."""
-        device = self.token_ids.device
+        device = self.q.device
         return ForwardContext(
             query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
             seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.inputs.slot_mapping[:size],
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-            logits_indices=self.token_ids[:0], max_query_len=size, max_seq_len=size,
+            logits_indices=self.inputs.token_ids[:0], max_query_len=size, max_seq_len=size,
             query_start_loc_host=None, seq_lens_host=None, split_at_attention=split)
 
     def _forward(self, ctx: ForwardContext, size: int) -> torch.Tensor:
         with forward_context(ctx):
-            return self.model(self.token_ids[:size], self.positions[:size])
+            return self.model(self.inputs.token_ids[:size], self.inputs.positions[:size])
 
     def _capture_size(self, size: int, pool) -> None:
         pieces, layers = [], []
@@ -188,14 +199,12 @@ class MixedGraphs:
         ctx = inputs.context
         n = inputs.token_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
-        self.token_ids[:n] = inputs.token_ids
-        self.positions[:n] = inputs.positions
-        self.slot_mapping[:n] = ctx.slot_mapping
-        self.slot_mapping[n:size] = -1
+        self.inputs.load(inputs, size)
         pieces, layers, hidden = self.graphs[size]
+        q, out = self.q[:n], self.out[:n]
         with forward_context(ctx):
             for piece, layer in zip(pieces, layers):
                 piece.replay()
-                self.out[:n] = layer.attend(self.q[:n])
+                out.copy_(layer.attend(q))
             pieces[-1].replay()
             return self.model.compute_logits(hidden[:n])

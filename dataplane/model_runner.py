@@ -129,7 +129,7 @@ class ModelRunner:
                                   self.device)
             graphs.capture()
             self.graphs = graphs
-            if self.config.prompt_graphs:
+            if self._uses_prompt_graphs:
                 attention = layers[0]
                 mixed = MixedGraphs(self.model, limits.max_num_batched_tokens,
                                     attention.num_heads, attention.head_dim, self.dtype,
@@ -142,6 +142,10 @@ class ModelRunner:
     def _uses_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager and \
             self.backend.name != "torch"
+
+    @property
+    def _uses_prompt_graphs(self) -> bool:
+        return self._uses_graphs and self.config.prompt_graphs
 
     def release(self) -> None:
         """Drop the model, KV cache and graphs, and give their device memory back (another
@@ -170,7 +174,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         graphs_and_slack = 512 << 20
-        if self._uses_graphs and self.config.prompt_graphs:
+        if self._uses_prompt_graphs:
             # the prompt graphs' pool keeps one forward's activations at their largest size
             share = min(1.0, MAX_MIXED_TOKENS / limits.max_num_batched_tokens)
             graphs_and_slack += int(peak * share)
