@@ -10,6 +10,8 @@
 #   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k;
 #                  profile-prefill: the prompt steps of 256 requests of 562 tokens
 #   decode-tests   the decode attention kernel's tests (merges repeated 200 times on one plan)
+#   decode-timeline  decode attention's programs stamping the global timer: launch, prologue,
+#                  tile loop, merges, the spread of their ends, on tune-decode's shapes
 #   tune-decode    decode attention configs and programs per SM on workload-like shapes
 #   ncu-decode     Nsight Compute on one decode attention launch at 64 and 256 rows (stall
 #                  reasons, occupancy; Firecracker machines only: ../.library/device/KINDS.md)
@@ -88,6 +90,8 @@ for stage in "$@"; do
              --section SchedulerStats --section MemoryWorkloadAnalysis \
              python3 bench/tune_decode.py --once $rows > "$OUT/ncu-decode-$rows.log" 2>&1
              tail -80 "$OUT/ncu-decode-$rows.log"; done ;;
+    decode-timeline) timeout 200 python3 bench/decode_timeline_probe.py "$OUT/decode_timeline.json" \
+             2>&1 | grep -v Warning | tail -20 ;;
     gemm) timeout 200 python3 bench/gemm.py --out "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" \
              | tail -30 ;;
     profile-32) timeout 200 python3 bench/profile_decode.py --rows 32 --prompt-len 1500 2>&1 \

@@ -82,6 +82,18 @@ def _plan_kernel(
 
 
 @triton.jit
+def _stamp(trace_ptr, record, point, after):
+    """For TRACE: the global nanosecond timer and the SM's cycle counter at trace[record, point],
+    read once `after` (an int32 scalar) is known."""
+    timer = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+    cycles = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [after],
+                                       dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(trace_ptr + record * 8 + point * 2, timer)
+    tl.store(trace_ptr + record * 8 + point * 2 + 1, cycles)
+
+
+@triton.jit
 def _piece(kv_head, prog, slot, num_progs, GROUP: tl.constexpr, BLOCK_H: tl.constexpr):
     """Rows of the partial buffers for one program's piece: slot 0 holds the piece of the
     request its range starts in, slot 1 that of the request it ends in."""
@@ -197,21 +209,27 @@ def _write_request(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr,
-    part_out_ptr, part_lse_ptr, scale_log2e, num_reqs,
+    part_out_ptr, part_lse_ptr, trace_ptr, scale_log2e, num_reqs,
     stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     prog = tl.program_id(1)
     num_progs = tl.num_programs(1)
+    record = kv_head * num_progs + prog
+    if TRACE:
+        _stamp(trace_ptr, record, 0, prog)
     total = tl.load(req_tile_start_ptr + num_reqs)
     active = tl.minimum(num_progs, total)  # every active program gets at least one tile
     if prog < active:
         tile_lo = (prog.to(tl.int64) * total // active).to(tl.int32)
         tile_hi = ((prog + 1).to(tl.int64) * total // active).to(tl.int32)
         first_req = tl.load(tile_req_ptr + tile_lo)
+        if TRACE:
+            _stamp(trace_ptr, record, 1, first_req)
         has_start = tl.zeros([], tl.int32)  # 1: the current request's first tile is in this range
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
@@ -235,6 +253,8 @@ def _decode_kernel(
                 l = tl.zeros([BLOCK_H], tl.float32)
                 acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
 
+        if TRACE:
+            _stamp(trace_ptr, record, 2, tile_hi)
         first_info = tl.load(tile_info_ptr + tile_lo)
         last_req = tl.load(tile_req_ptr + tile_hi - 1)
         last_info = tl.load(tile_info_ptr + tile_hi - 1)
@@ -248,6 +268,8 @@ def _decode_kernel(
             _merge_pieces(last_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
                           req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
                           stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
+    if TRACE:
+        _stamp(trace_ptr, record, 3, prog)
 
 
 @functools.cache
@@ -351,13 +373,17 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tens
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, plan: DecodePlan | None = None,
-                           config: dict | None = None) -> torch.Tensor:
+                           config: dict | None = None,
+                           trace: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_reqs, num_heads, head_dim], the one new token of each request (its k/v already
     stored); k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32, cached tokens
     including the new one. plan: this batch's `plan_decode`, built here from block_tables and
     seq_lens when absent (they are not read otherwise; a model builds one plan a forward).
-    config: kernel settings over the defaults (num_warps, num_stages), for tuning. Returns out:
+    config: kernel settings over the defaults (num_warps, num_stages), for tuning. trace: for
+    probes, [num_kv_heads * num_programs, 8] int64 zeros, filled with each program's global timer
+    (ns) and cycle counter at its start, once its first request is known, after its tile loop
+    and at its end (a program with no tiles writes only the first and last). Returns out:
     [num_reqs, num_heads, head_dim]."""
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -375,16 +401,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert plan.part_out.numel() == plan.part_lse.numel() * head_dim
     assert plan.tile_req.device == q.device
     args = (q, k_cache, v_cache, out, plan.tile_req, plan.tile_info, plan.tile_blocks,
-            plan.req_tile_start, plan.counters, plan.part_out, plan.part_lse, scale * LOG2E,
+            plan.req_tile_start, plan.counters, plan.part_out, plan.part_lse,
+            plan.counters if trace is None else trace, scale * LOG2E,
             num_reqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), out.stride(0), out.stride(1))
     constexprs = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size,
                       TILE_PAGES=max(1, plan.block_n // block_size),
+                      TRACE=trace is not None,
                       **(_config(q.dtype, head_dim) | (config or {}) | dict(BLOCK_N=plan.block_n)))
     if plan.num_programs is None:  # once a plan: the layers after the first reuse it
         plan.num_programs = _programs_per_head(q.device, num_kv_heads, plan.max_programs, args,
                                                constexprs)
+    if trace is not None:
+        assert trace.shape == (num_kv_heads * plan.num_programs, 8) and trace.dtype == torch.int64
     _decode_kernel[(num_kv_heads, plan.num_programs)](*args, **constexprs)
     return out
 

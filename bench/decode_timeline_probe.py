@@ -1,0 +1,152 @@
+"""Where does decode attention's fixed ~19 us over its bytes go (tile_fill-9406881.json)? Each
+program of one launch stamps the global timer and its SM's cycle counter at its start, once its
+first request is known, after its tile loop and at its end (`paged_decode_attention(trace=)`);
+a one-program kernel stamps the timer just before and just after the launch in the same CUDA
+graph. Per batch of tune_decode.py's shapes: the launch's span against its bytes at the copy
+bandwidth, cut into launch latency, the spread of program starts, prologue, tile loop, merges,
+the spread of program ends and the exit; and whether a program's loop time follows the keys
+its range holds (unequal ranges would say: balance by keys, not tiles).
+
+    PYTHONPATH=$PWD:$PWD/bench python3 bench/decode_timeline_probe.py $OUT/decode_timeline.json
+"""
+
+import json
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+import run_info
+from kernels import copy_bandwidth, kv_bytes
+from tune_decode import SHAPES, problem
+
+from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
+
+REPLAYS = 20
+
+
+@triton.jit
+def _timer_kernel(out_ptr):
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.program_id(0)],
+                                  dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(out_ptr, t)
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, launches: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / REPLAYS / launches
+
+
+def program_keys(plan, num_programs: int) -> list[int]:
+    """Valid keys in each program's range of one kv head (every head's ranges are the same)."""
+    total = int(plan.req_tile_start[-1])
+    keys = (plan.tile_info[:total] & 0xFFFF).long().cumsum(0).tolist()
+    active = min(num_programs, total)
+    bounds = [p * total // active for p in range(active + 1)]
+    return [keys[hi - 1] - (keys[lo - 1] if lo else 0) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def timeline(trace: torch.Tensor, before: int, after: int, cycles_per_ns: float) -> dict:
+    """One launch's phases in us; per-program phases from the cycle counter."""
+    t = trace.tolist()
+    active = [r for r in t if r[2]]
+    starts, ends = [r[0] for r in t], [r[6] for r in t]
+    med = lambda xs: statistics.median(xs) / cycles_per_ns / 1e3  # noqa: E731
+    return dict(
+        span_us=(after - before) / 1e3, launch_us=(min(starts) - before) / 1e3,
+        start_spread_us=(max(starts) - min(starts)) / 1e3,
+        prologue_us=med([r[3] - r[1] for r in active]), loop_us=med([r[5] - r[3] for r in active]),
+        loop_min_us=min(r[5] - r[3] for r in active) / cycles_per_ns / 1e3,
+        loop_max_us=max(r[5] - r[3] for r in active) / cycles_per_ns / 1e3,
+        merges_us=med([r[7] - r[5] for r in active]),
+        merges_max_us=max(r[7] - r[5] for r in active) / cycles_per_ns / 1e3,
+        end_spread_us=(max(ends) - min(r[6] for r in active)) / 1e3,
+        end_after_median_us=(max(ends) - statistics.median(r[6] for r in active)) / 1e3,
+        exit_us=(after - max(ends)) / 1e3, loop_us_per_program=[
+            (r[5] - r[3]) / cycles_per_ns / 1e3 for r in active])
+
+
+def probe(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
+    args, contexts = problem(model, rows, lo, hi)
+    plan = plan_decode(*args[:2], *args[3:5])
+    out = paged_decode_attention(*args, plan=plan)  # resolves the program count untraced
+    num_kv_heads = args[1].shape[2]
+    trace = torch.zeros(num_kv_heads * plan.num_programs, 8, dtype=torch.int64, device=out.device)
+    stamps = torch.zeros(2, dtype=torch.int64, device=out.device)
+
+    def traced():
+        _timer_kernel[(1,)](stamps[0:])
+        paged_decode_attention(*args, plan=plan, out=out, trace=trace)
+        _timer_kernel[(1,)](stamps[1:])
+
+    plain_us = replay_us(graph_of(lambda: [paged_decode_attention(*args, plan=plan, out=out)
+                                          for _ in range(10)]), 10)
+    traced_us = replay_us(graph_of(lambda: [paged_decode_attention(*args, plan=plan, out=out,
+                                                                   trace=trace)
+                                           for _ in range(10)]), 10)
+    graph = graph_of(traced)
+    runs = []
+    for _ in range(REPLAYS):
+        trace.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        t = trace.tolist()
+        ns = sum(r[6] - r[0] for r in t)
+        cycles_per_ns = sum(r[7] - r[1] for r in t) / ns if ns else 1.0
+        runs.append(timeline(trace, *stamps.tolist(), cycles_per_ns) | dict(
+            cycles_per_ns=cycles_per_ns))
+    keys = program_keys(plan, plan.num_programs)
+    loops = runs[-1].pop("loop_us_per_program")
+    for r in runs:
+        r.pop("loop_us_per_program")
+    summary = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    ideal_us = kv_bytes(contexts) / copy_bw * 1e6
+    return dict(model=model, rows=rows, contexts=[lo, hi], context_tokens=sum(contexts),
+                num_programs=plan.num_programs, ideal_us=ideal_us, plain_us=plain_us,
+                traced_us=traced_us, median=summary,
+                keys_per_program=[min(keys), statistics.median(keys), max(keys)],
+                loop_us_vs_keys=sorted(zip(keys, loops[:len(keys)]))[::max(1, len(keys) // 12)])
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
+                  copy_bandwidth_gbps=copy_bw / 1e9, shapes=[])
+    for model, rows, lo, hi in SHAPES:
+        if model != "qwen3-0.6b":
+            continue
+        r = probe(model, rows, lo, hi, copy_bw)
+        report["shapes"].append(r)
+        m = r["median"]
+        print(f"{rows:3d} rows: {r['plain_us']:6.1f} us in a graph ({r['traced_us']:6.1f} traced;"
+              f" bytes {r['ideal_us']:6.1f}); span {m['span_us']:6.1f} = launch "
+              f"{m['launch_us']:.1f} + start spread {m['start_spread_us']:.1f}; prologue "
+              f"{m['prologue_us']:.1f}, loop {m['loop_us']:.1f} [{m['loop_min_us']:.1f}, "
+              f"{m['loop_max_us']:.1f}], merges {m['merges_us']:.1f} (max "
+              f"{m['merges_max_us']:.1f}); end spread {m['end_spread_us']:.1f} (after median "
+              f"{m['end_after_median_us']:.1f}), exit {m['exit_us']:.1f}; keys/program "
+              f"{r['keys_per_program']}; {m['cycles_per_ns']:.2f} cycles/ns", flush=True)
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
