@@ -113,9 +113,7 @@ def probe(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
         runs.append(timeline(trace, *stamps.tolist(), cycles_per_ns) | dict(
             cycles_per_ns=cycles_per_ns))
     keys = program_keys(plan, plan.num_programs)
-    loops = runs[-1].pop("loop_us_per_program")
-    for r in runs:
-        r.pop("loop_us_per_program")
+    loops = [r.pop("loop_us_per_program") for r in runs][-1]
     summary = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     ideal_us = kv_bytes(contexts) / copy_bw * 1e6
     return dict(model=model, rows=rows, contexts=[lo, hi], context_tokens=sum(contexts),
