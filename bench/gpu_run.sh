@@ -16,6 +16,7 @@
 #   ncu-decode     Nsight Compute on one decode attention launch at 64 and 256 rows (stall
 #                  reasons, occupancy; Firecracker machines only: ../.library/device/KINDS.md)
 #   host-profile   cProfile of the data plane's host time in steps that carry a prompt
+#   splitk         split-K o_proj/down_proj with the partials summed by the norm, against cuBLAS
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
@@ -92,6 +93,8 @@ for stage in "$@"; do
              tail -80 "$OUT/ncu-decode-$rows.log"; done ;;
     decode-timeline) timeout 200 python3 bench/decode_timeline_probe.py "$OUT/decode_timeline.json" \
              2>&1 | grep -v Warning | tail -20 ;;
+    splitk) timeout 300 python3 bench/splitk_probe.py "$OUT/splitk.json" 2>&1 | grep -v Warning \
+             | tail -14 ;;
     gemm) timeout 200 python3 bench/gemm.py --out "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" \
              | tail -30 ;;
     profile-32) timeout 200 python3 bench/profile_decode.py --rows 32 --prompt-len 1500 2>&1 \

@@ -19,12 +19,19 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, out_ptr, weight_ptr,
     num_rows, num_cols, eps, stride_x_row, stride_res_row, stride_out_row,
     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
     x_offs = (rows.to(tl.int64) * stride_x_row)[:, None] + cols[None, :]
-    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    if PARTS:  # x: float32 partial sums [PARTS, num_rows, num_cols], rounded like a GEMM's out
+        x = tl.zeros([BLOCK_ROWS, BLOCK_COLS], tl.float32)
+        for part in tl.static_range(PARTS):
+            x += tl.load(x_ptr + part * num_rows * num_cols + x_offs, mask=mask, other=0.0)
+        x = x.to(residual_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res_offs = (rows.to(tl.int64) * stride_res_row)[:, None] + cols[None, :]
         total = (x + tl.load(residual_ptr + res_offs, mask=mask, other=0.0).to(tl.float32))
@@ -39,10 +46,10 @@ def _rms_norm_kernel(
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
-            weight: torch.Tensor, eps: float) -> None:
-    num_rows, num_cols = x.shape
+            weight: torch.Tensor, eps: float, parts: int = 0) -> None:
+    num_rows, num_cols = x.shape[-2:]
     assert weight.shape == (num_cols,) and weight.is_contiguous()
-    assert x.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == x.shape
+    assert x.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == x.shape[-2:]
     if num_rows == 0:
         return
     block_cols = triton.next_power_of_2(num_cols)
@@ -50,8 +57,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
     # decode batch of 256 tokens still spreads over every SM
     _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x, residual if residual is not None else x, out, weight, num_rows, num_cols, eps,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        x.stride(-2), residual.stride(0) if residual is not None else 0, out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+        PARTS=parts,
         num_warps=min(16, max(4, block_rows * block_cols // 512)),
     )
 
@@ -76,6 +84,18 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     assert residual.stride(-1) == 1
     _launch(x, residual, x, weight, eps)
     return x, residual
+
+
+def fused_add_rms_norm_parts(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- sum(parts) + residual in place; returns (rms_norm(residual), residual).
+    parts: float32 [num_parts, num_tokens, hidden] contiguous (splitk_matmul's partials), their
+    sum rounded to the residual's dtype as the GEMM it replaces would have rounded it."""
+    assert parts.dim() == 3 and parts.is_contiguous() and parts.dtype == torch.float32
+    assert residual.shape == parts.shape[1:] and residual.stride(-1) == 1
+    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    _launch(parts, residual, out, weight, eps, parts=parts.shape[0])
+    return out, residual
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

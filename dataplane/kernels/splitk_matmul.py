@@ -1,0 +1,78 @@
+"""x @ w.T cut along K into float32 partial sums, for the decode step's row-parallel layers
+(o_proj, down_proj: N = hidden size, small next to K), whose consumer, the residual add and
+RMSNorm, sums the partials as it loads them (rmsnorm.py, NUM_PARTS).
+
+Why: at decode batch sizes cuBLAS runs these two GEMMs at ~20-25% of the copy bandwidth
+(bench/results/h200/gemm.json: o_proj's 4 MB in 5.1-6.3 us): N = 1024 gives it few output
+tiles, and a split-K reduction inside a GEMM costs a second pass or a cross-program handshake.
+Here every program reads one [BLOCK_N, K / SPLITS] strip of weights once and writes its
+[rows, BLOCK_N] partial; nothing waits on another program.
+
+The weight tile is the dot's left operand ([BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]): N fills the
+tensor core's 64-row side, the few batch rows its narrow side.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _splitk_kernel(
+    x_ptr, w_ptr, part_ptr, num_rows, stride_x_row, stride_w_row,
+    N: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    col_tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    ks = split * K_SPLIT + tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k in range(0, K_SPLIT, BLOCK_K):
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w_row + (ks + k)[None, :])
+        x = tl.load(x_ptr + rows[None, :].to(tl.int64) * stride_x_row + (ks + k)[:, None],
+                    mask=row_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
+        acc = tl.dot(w, x, acc, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+    dst = part_ptr + (split * num_rows + rows[None, :]).to(tl.int64) * N + cols[:, None]
+    tl.store(dst, acc, mask=row_mask[None, :])
+
+
+def splitk_config(num_rows: int, k: int, dtype: torch.dtype) -> dict:
+    """Tile sizes and split count for a batch of num_rows; SPLITS divides k."""
+    if dtype == torch.float32:  # tests: exact dots, tiles that fit shared memory
+        return dict(BLOCK_N=32, BLOCK_K=32, SPLITS=4, DOT_PRECISION="ieee", num_warps=4,
+                    num_stages=2)
+    return dict(BLOCK_N=64, BLOCK_K=128, SPLITS=8, DOT_PRECISION="tf32", num_warps=4,
+                num_stages=3)
+
+
+def splitk_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [num_rows, K] (rows may be strided), w: [N, K] contiguous, the same dtype. Returns the
+    float32 partials [SPLITS, num_rows, N] whose sum over the first axis is x @ w.T. config:
+    over splitk_config's choice (BLOCK_N, BLOCK_K, SPLITS, num_warps, num_stages)."""
+    num_rows, k = x.shape
+    n = w.shape[0]
+    assert w.shape == (n, k) and w.is_contiguous() and x.stride(1) == 1 and x.dtype == w.dtype
+    cfg = splitk_config(num_rows, k, x.dtype) | (config or {})
+    splits = cfg.pop("SPLITS")
+    assert k % (splits * cfg["BLOCK_K"]) == 0 and n % cfg["BLOCK_N"] == 0, (k, n, splits, cfg)
+    if out is None:
+        out = torch.empty(splits, num_rows, n, dtype=torch.float32, device=x.device)
+    assert out.shape == (splits, num_rows, n) and out.dtype == torch.float32 and out.is_contiguous()
+    if num_rows == 0:
+        return out
+    block_m = max(16, min(64, triton.next_power_of_2(num_rows)))
+    grid = (n // cfg["BLOCK_N"], splits, triton.cdiv(num_rows, block_m))
+    _splitk_kernel[grid](x, w, out, num_rows, x.stride(0), w.stride(0), N=n, K_SPLIT=k // splits,
+                         BLOCK_M=block_m, **cfg)
+    return out
+
+
+def splitk_matmul_ref(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
+    """The same partials in float32 torch: [splits, num_rows, N]."""
+    xs = x.float().unflatten(1, (splits, -1)).transpose(0, 1)  # [splits, rows, K / splits]
+    ws = w.float().unflatten(1, (splits, -1)).transpose(0, 1)  # [splits, N, K / splits]
+    return xs @ ws.transpose(1, 2)
