@@ -39,24 +39,39 @@ def _splitk_kernel(
     tl.store(dst, acc, mask=row_mask[None, :])
 
 
-def splitk_config(num_rows: int, k: int, dtype: torch.dtype) -> dict:
-    """Tile sizes and split count for a batch of num_rows; SPLITS divides k."""
+# Measured on the H200 (bench/splitk_probe.py, splitk-*.json), Qwen3-0.6B's o_proj and
+# down_proj with the norm that sums the partials, against cuBLAS + the norm: 5.6-6.8 against
+# 7.7-8.0 us (o_proj) and 6.6-7.8 against 8.1-8.8 (down_proj) at 1-128 rows; even at 256.
+MAX_ROWS = 128
+MAX_N = 1024  # larger outputs give cuBLAS output tiles enough (not measured)
+
+
+def splitk_pays(num_rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether splitk_matmul beats cuBLAS for this GEMM (and its tiles divide the shape)."""
+    cfg = splitk_config(dtype)
+    return (0 < num_rows <= MAX_ROWS and n <= MAX_N and n % cfg["BLOCK_N"] == 0
+            and k % (cfg["SPLITS"] * cfg["BLOCK_K"]) == 0)
+
+
+def splitk_config(dtype: torch.dtype) -> dict:
+    """Tiles and split count: the probe's best at every batch size up to MAX_ROWS."""
     if dtype == torch.float32:  # tests: exact dots, tiles that fit shared memory
-        return dict(BLOCK_N=32, BLOCK_K=32, SPLITS=4, DOT_PRECISION="ieee", num_warps=4,
-                    num_stages=2)
-    return dict(BLOCK_N=64, BLOCK_K=128, SPLITS=8, DOT_PRECISION="tf32", num_warps=4,
-                num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLITS=4, DOT_PRECISION="ieee",
+                    num_warps=4, num_stages=2)
+    # one BLOCK_M for every batch: one compiled variant a shape, met by configure's captures
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLITS=4, DOT_PRECISION="tf32",
+                num_warps=4, num_stages=3)
 
 
 def splitk_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [num_rows, K] (rows may be strided), w: [N, K] contiguous, the same dtype. Returns the
     float32 partials [SPLITS, num_rows, N] whose sum over the first axis is x @ w.T. config:
-    over splitk_config's choice (BLOCK_N, BLOCK_K, SPLITS, num_warps, num_stages)."""
+    over splitk_config's choice (BLOCK_M, BLOCK_N, BLOCK_K, SPLITS, num_warps, num_stages)."""
     num_rows, k = x.shape
     n = w.shape[0]
     assert w.shape == (n, k) and w.is_contiguous() and x.stride(1) == 1 and x.dtype == w.dtype
-    cfg = splitk_config(num_rows, k, x.dtype) | (config or {})
+    cfg = splitk_config(x.dtype) | (config or {})
     splits = cfg.pop("SPLITS")
     assert k % (splits * cfg["BLOCK_K"]) == 0 and n % cfg["BLOCK_N"] == 0, (k, n, splits, cfg)
     if out is None:
@@ -64,10 +79,9 @@ def splitk_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = None,
     assert out.shape == (splits, num_rows, n) and out.dtype == torch.float32 and out.is_contiguous()
     if num_rows == 0:
         return out
-    block_m = max(16, min(64, triton.next_power_of_2(num_rows)))
-    grid = (n // cfg["BLOCK_N"], splits, triton.cdiv(num_rows, block_m))
+    grid = (n // cfg["BLOCK_N"], splits, triton.cdiv(num_rows, cfg["BLOCK_M"]))
     _splitk_kernel[grid](x, w, out, num_rows, x.stride(0), w.stride(0), N=n, K_SPLIT=k // splits,
-                         BLOCK_M=block_m, **cfg)
+                         **cfg)
     return out
 
 

@@ -7,7 +7,9 @@ class RMSNorm(nn.Module):
 
     On CUDA tensors one Triton kernel does the work, and the fused form works in place: x is
     overwritten with the normalized output and residual with x + residual (callers hand over
-    both; the model never reads them again). Elsewhere the torch code below runs.
+    both; the model never reads them again). There x may also be float32 partial sums [parts,
+    num_tokens, hidden] (a RowParallelLinear built with feeds_norm), summed as they are loaded.
+    Elsewhere the torch code below runs.
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -31,7 +33,10 @@ class RMSNorm(nn.Module):
 
     def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        from dataplane.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+        from dataplane.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_parts, rms_norm
+        if x.dim() == 3:  # a split-K GEMM's partial sums
+            assert residual is not None, "partial sums come only from a residual branch"
+            return fused_add_rms_norm_parts(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)

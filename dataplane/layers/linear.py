@@ -93,8 +93,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_Linear):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 feeds_norm: bool = False) -> None:
+        """feeds_norm: the output goes straight into a residual add + RMSNorm (layernorm.RMSNorm),
+        which also takes float32 partial sums. On one CUDA device, at the batch sizes where it
+        pays, this layer then runs as a split-K GEMM and returns its partials [splits,
+        num_tokens, output_size] (kernels/splitk_matmul.py: cuBLAS leaves most SMs idle there)."""
         super().__init__(_divide(input_size, tp_size()), output_size, bias)
+        self.feeds_norm = feeds_norm and not bias
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         if param.dim() == 1:  # the bias is added once, on rank 0 (see forward)
@@ -104,5 +110,9 @@ class RowParallelLinear(_Linear):
         param.data.copy_(_cols(loaded, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.feeds_norm and x.is_cuda and tp_size() == 1:
+            from dataplane.kernels.splitk_matmul import splitk_matmul, splitk_pays
+            if splitk_pays(x.shape[0], *self.weight.shape, x.dtype):
+                return splitk_matmul(x, self.weight)
         bias = self.bias if tp_rank() == 0 else None
         return all_reduce(F.linear(x, self.weight, bias))

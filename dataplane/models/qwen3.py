@@ -2,6 +2,8 @@
 
 Per rank: q/k/v and gate/up are column-parallel (heads and the intermediate size split over the
 ranks), o_proj and down_proj row-parallel (one all-reduce each); the hidden state is replicated.
+On one GPU at decode batch sizes o_proj and down_proj hand the norm after them float32 split-K
+partial sums instead (RowParallelLinear's feeds_norm).
 """
 
 from collections.abc import Callable
@@ -42,7 +44,7 @@ class Qwen3Attention(nn.Module):
                                           config.num_attention_heads, config.num_key_value_heads,
                                           bias=getattr(config, "attention_bias", False))
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
-                                        config.hidden_size, bias=False)
+                                        config.hidden_size, bias=False, feeds_norm=True)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
@@ -63,14 +65,14 @@ class Qwen3Attention(nn.Module):
         else:
             q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
             out = self.attn(q, k, v)  # [T, heads, head_dim]
-        return self.o_proj(out.flatten(1))  # [T, hidden]
+        return self.o_proj(out.flatten(1))  # [T, hidden], or split-K partials [splits, T, hidden]
 
 
 class Qwen3MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, feeds_norm=True)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
