@@ -39,11 +39,13 @@ def _splitk_kernel(
     tl.store(dst, acc, mask=row_mask[None, :])
 
 
-# Measured on the H200 (bench/splitk_probe.py, splitk-*.json), Qwen3-0.6B's o_proj and
-# down_proj with the norm that sums the partials, against cuBLAS + the norm: 5.6-6.8 against
-# 7.7-8.0 us (o_proj) and 6.6-7.8 against 8.1-8.8 (down_proj) at 1-128 rows; even at 256.
+# Measured on the H200 (bench/splitk_probe.py, splitk-3a1103c.json: GEMM + the norm that sums
+# the partials, against cuBLAS + the norm, in CUDA graphs): Qwen3-0.6B's o_proj 5.9-6.8 against
+# 7.6-7.9 us at 1-128 rows (11.4 at 1), down_proj 6.9-7.8 against 7.9-8.8; at 256 rows no gain.
+# Wider outputs: Qwen3-30B-A3B's o_proj (N 2048) gains 0.3-0.5 us, Qwen3-8B's o_proj and
+# down_proj (N 4096) lose at 64-128 rows, so they keep cuBLAS.
 MAX_ROWS = 128
-MAX_N = 1024  # larger outputs give cuBLAS output tiles enough (not measured)
+MAX_N = 1024
 
 
 def splitk_pays(num_rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
