@@ -102,19 +102,20 @@ def _piece(kv_head, prog, slot, num_progs, GROUP: tl.constexpr, BLOCK_H: tl.cons
 
 @triton.jit
 def _merge_pieces(
-    req, count, kv_head, total, active, num_progs, num_reqs, out_ptr, req_tile_start_ptr,
-    counters_ptr, part_out_ptr, part_lse_ptr, stride_out_tok, stride_out_head,
+    req, kv_head, total, active, num_progs, num_reqs, out_ptr, req_tile_start_ptr, counters_ptr,
+    part_out_ptr, part_lse_ptr, stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """`count`: the pieces of `req` counted in before this program's. The program that brings
-    the last piece merges every piece (its own included) into the output and resets the
-    counter."""
+    """Count this program's piece of `req` in; the program that brings the last piece merges
+    every piece (its own included) into the output and resets the counter."""
     first = tl.load(req_tile_start_ptr + req)
     end = tl.load(req_tile_start_ptr + req + 1)
     # the programs whose ranges hold the request's first and last tiles
     prog_lo = (((first + 1).to(tl.int64) * active - 1) // total).to(tl.int32)
     prog_hi = ((end.to(tl.int64) * active - 1) // total).to(tl.int32)
     counter = counters_ptr + kv_head * num_reqs + req
+    tl.debug_barrier()  # every thread's partial stores issued before the release below
+    count = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if count == prog_hi - prog_lo:
         rows = tl.arange(0, BLOCK_H)
         row_mask = rows < GROUP
@@ -259,22 +260,13 @@ def _decode_kernel(
         last_info = tl.load(tile_info_ptr + tile_hi - 1)
         is_first_cut = ((first_info >> _FIRST) & 1) == 0  # begun by an earlier range
         is_last_cut = ((last_info >> _LAST) & 1) == 0  # finished by a later range
-        counts_last = is_last_cut & ((last_req != first_req) | (not is_first_cut))
-        # Both cut requests' pieces are counted in before either merge: one round trip to the
-        # counters, not two, at the end of every program (bench/decode_timeline_probe.py)
-        tl.debug_barrier()  # every thread's partial stores issued before the releases below
-        counters = counters_ptr + kv_head * num_reqs
-        count_first = tl.atomic_add(counters + first_req, 1, mask=is_first_cut, sem="acq_rel",
-                                    scope="gpu")
-        count_last = tl.atomic_add(counters + last_req, 1, mask=counts_last, sem="acq_rel",
-                                   scope="gpu")
         if is_first_cut:
-            _merge_pieces(first_req, count_first, kv_head, total, active, num_progs, num_reqs,
-                          out_ptr, req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
+            _merge_pieces(first_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
+                          req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
                           stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
-        if counts_last:
-            _merge_pieces(last_req, count_last, kv_head, total, active, num_progs, num_reqs,
-                          out_ptr, req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
+        if is_last_cut & ((last_req != first_req) | (not is_first_cut)):
+            _merge_pieces(last_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
+                          req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
                           stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
     if TRACE:
         _stamp(trace_ptr, record, 3, prog)
