@@ -57,8 +57,8 @@ def splitk_pays(num_rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
 
 def splitk_config(dtype: torch.dtype) -> dict:
     """Tiles and split count: the probe's best at every batch size up to MAX_ROWS."""
-    if dtype == torch.float32:  # tests: exact dots, tiles that fit shared memory
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLITS=4, DOT_PRECISION="ieee",
+    if dtype == torch.float32:  # tests: exact dots, tiles small enough for the tiny checkpoints
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLITS=4, DOT_PRECISION="ieee",
                     num_warps=4, num_stages=2)
     # one BLOCK_M for every batch: one compiled variant a shape, met by configure's captures
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLITS=4, DOT_PRECISION="tf32",

@@ -6,8 +6,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from dataplane.checkpoints import TinyQwen3  # noqa: E402
 from dataplane.kernels.rmsnorm import fused_add_rms_norm_parts, rms_norm_ref  # noqa: E402
-from dataplane.kernels.splitk_matmul import splitk_matmul, splitk_matmul_ref  # noqa: E402
+from dataplane.kernels.splitk_matmul import (  # noqa: E402
+    splitk_matmul, splitk_matmul_ref, splitk_pays)
 from tests.dataplane.kernels.helpers import (  # noqa: E402
     DTYPES, KERNEL_MARKS, assert_close, randn, skip_unsupported)
 
@@ -46,3 +48,14 @@ def test_fused_add_rms_norm_sums_the_partials(dtype, num_rows, device, gen):
     assert new_residual.data_ptr() == residual.data_ptr()
     assert_close(new_residual, expected_residual, dtype)
     assert_close(out, expected_out, dtype)
+
+
+def test_the_tiny_checkpoints_take_the_split_k_path():
+    """The float32 GPU tests against transformers (test_gpu_runner.py) cover the split-K o_proj
+    and down_proj only if their tiny shapes fit its tiles."""
+    c = TinyQwen3()
+    o_proj = (c.hidden_size, c.num_attention_heads * c.head_dim)  # (N, K)
+    down_proj = (c.hidden_size, c.intermediate_size)
+    for n, k in (o_proj, down_proj):
+        assert splitk_pays(16, n, k, torch.float32)
+    assert not splitk_pays(129, *o_proj, torch.float32)  # above MAX_ROWS: cuBLAS
