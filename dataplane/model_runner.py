@@ -208,10 +208,13 @@ class ModelRunner:
         request, whose tiles are merged across programs; a full batch of short ones), so that
         every kernel variant a served step launches compiles now and not inside one: a Triton
         compile holds the GIL for up to seconds, which would silence the link's heartbeats. (The
-        torch backend's attention has no kernels; the layers' kernels compile in the profiling
-        step before this.)"""
+        torch backend's attention has no kernels: one short prompt step meets the layers' kernels
+        at decode sizes, the split-K ones among them, which the profiling step's full batch does
+        not.)"""
         logits = None
-        if self.backend.name != "torch":
+        if self.backend.name == "torch":
+            logits = self._dummy_forward(2, num_blocks, 1, store=False)
+        else:
             self._dummy_decode(1, limits.max_model_len, num_blocks)
             self._dummy_decode(limits.max_num_seqs, min(limits.max_model_len, 64), num_blocks)
             num_tokens = 2

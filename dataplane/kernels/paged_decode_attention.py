@@ -83,8 +83,9 @@ def _plan_kernel(
 
 @triton.jit
 def _stamp(trace_ptr, record, point, after):
-    """For TRACE: the global nanosecond timer and the SM's cycle counter at trace[record, point],
-    read once `after` (an int32 scalar) is known."""
+    """For TRACE: the global nanosecond timer and the SM's cycle counter at trace[record, point].
+    The reads wait for `after` (an int32 scalar) and keep their place in program order (the asm
+    is not pure), so a stamp after the tile loop follows the stores the loop issued."""
     timer = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after],
                                       dtype=tl.int64, is_pure=False, pack=1)
     cycles = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [after],
@@ -415,6 +416,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                constexprs)
     if trace is not None:
         assert trace.shape == (num_kv_heads * plan.num_programs, 8) and trace.dtype == torch.int64
+        assert trace.is_contiguous() and trace.device == q.device
     _decode_kernel[(num_kv_heads, plan.num_programs)](*args, **constexprs)
     return out
 

@@ -93,6 +93,7 @@ def fused_add_rms_norm_parts(parts: torch.Tensor, residual: torch.Tensor, weight
     sum rounded to the residual's dtype as the GEMM it replaces would have rounded it."""
     assert parts.dim() == 3 and parts.is_contiguous() and parts.dtype == torch.float32
     assert residual.shape == parts.shape[1:] and residual.stride(-1) == 1
+    assert parts.numel() < 2 ** 31, "the kernel's part offsets are int32"
     out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     _launch(parts, residual, out, weight, eps, parts=parts.shape[0])
     return out, residual

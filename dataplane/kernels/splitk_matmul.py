@@ -1,6 +1,6 @@
 """x @ w.T cut along K into float32 partial sums, for the decode step's row-parallel layers
 (o_proj, down_proj: N = hidden size, small next to K), whose consumer, the residual add and
-RMSNorm, sums the partials as it loads them (rmsnorm.py, NUM_PARTS).
+RMSNorm, sums the partials as it loads them (rmsnorm.py, PARTS).
 
 Why: at decode batch sizes cuBLAS runs these two GEMMs at ~20-25% of the copy bandwidth
 (bench/results/h200/gemm.json: o_proj's 4 MB in 5.1-6.3 us): N = 1024 gives it few output
@@ -42,14 +42,16 @@ def _splitk_kernel(
 # Measured on the H200 (bench/splitk_probe.py, splitk-3a1103c.json: GEMM + the norm that sums
 # the partials, against cuBLAS + the norm, in CUDA graphs): Qwen3-0.6B's o_proj 5.9-6.8 against
 # 7.6-7.9 us at 1-128 rows (11.4 at 1), down_proj 6.9-7.8 against 7.9-8.8; at 256 rows no gain.
-# Wider outputs: Qwen3-30B-A3B's o_proj (N 2048) gains 0.3-0.5 us, Qwen3-8B's o_proj and
-# down_proj (N 4096) lose at 64-128 rows, so they keep cuBLAS.
+# Wider outputs: Qwen3-30B-A3B's o_proj (N 2048) gained only 0.3-0.5 us, Qwen3-8B's o_proj and
+# down_proj (N 4096) lose at 64-128 rows: every output wider than 1024 keeps cuBLAS.
 MAX_ROWS = 128
 MAX_N = 1024
 
 
 def splitk_pays(num_rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether splitk_matmul beats cuBLAS for this GEMM (and its tiles divide the shape)."""
+    """Whether splitk_matmul beats cuBLAS for this GEMM (and its tiles divide the shape). Float32
+    (tests and --dtype float32) takes it on the same bounds, untimed: that is what puts the split-K
+    layers under the float32 GPU tests against transformers."""
     cfg = splitk_config(dtype)
     return (0 < num_rows <= MAX_ROWS and n <= MAX_N and n % cfg["BLOCK_N"] == 0
             and k % (cfg["SPLITS"] * cfg["BLOCK_K"]) == 0)

@@ -8,7 +8,8 @@ class RMSNorm(nn.Module):
     On CUDA tensors one Triton kernel does the work, and the fused form works in place: x is
     overwritten with the normalized output and residual with x + residual (callers hand over
     both; the model never reads them again). There x may also be float32 partial sums [parts,
-    num_tokens, hidden] (a RowParallelLinear built with feeds_norm), summed as they are loaded.
+    num_tokens, hidden] (a RowParallelLinear built with feeds_norm), summed as they are loaded;
+    the normalized output is then a new tensor.
     Elsewhere the torch code below runs.
     """
 
@@ -35,7 +36,8 @@ class RMSNorm(nn.Module):
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from dataplane.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_parts, rms_norm
         if x.dim() == 3:  # a split-K GEMM's partial sums
-            assert residual is not None, "partial sums come only from a residual branch"
+            assert x.dtype == torch.float32 and residual is not None, \
+                "partial sums: float32, and only from a residual branch"
             return fused_add_rms_norm_parts(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)

@@ -98,7 +98,8 @@ class RowParallelLinear(_Linear):
         """feeds_norm: the output goes straight into a residual add + RMSNorm (layernorm.RMSNorm),
         which also takes float32 partial sums. On one CUDA device, at the batch sizes where it
         pays, this layer then runs as a split-K GEMM and returns its partials [splits,
-        num_tokens, output_size] (kernels/splitk_matmul.py: cuBLAS leaves most SMs idle there)."""
+        num_tokens, output_size] (kernels/splitk_matmul.py: cuBLAS leaves most SMs idle there).
+        A layer with a bias never does."""
         super().__init__(_divide(input_size, tp_size()), output_size, bias)
         self.feeds_norm = feeds_norm and not bias
 

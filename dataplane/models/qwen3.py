@@ -2,8 +2,8 @@
 
 Per rank: q/k/v and gate/up are column-parallel (heads and the intermediate size split over the
 ranks), o_proj and down_proj row-parallel (one all-reduce each); the hidden state is replicated.
-On one GPU at decode batch sizes o_proj and down_proj hand the norm after them float32 split-K
-partial sums instead (RowParallelLinear's feeds_norm).
+On one GPU, at 1-128 rows and hidden sizes up to 1024 (Qwen3-0.6B), o_proj and down_proj hand
+the norm after them float32 split-K partial sums instead (RowParallelLinear's feeds_norm).
 """
 
 from collections.abc import Callable
