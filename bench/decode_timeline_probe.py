@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 import run_info
-from kernels import copy_bandwidth, kv_bytes
+from kernels import capture_graph, copy_bandwidth, graph_us, kv_bytes
 from tune_decode import SHAPES, problem
 
 from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
@@ -32,26 +32,6 @@ def _timer_kernel(out_ptr):
     t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.program_id(0)],
                                   dtype=tl.int64, is_pure=False, pack=1)
     tl.store(out_ptr, t)
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, launches: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPLAYS / launches
 
 
 def program_keys(plan, num_programs: int) -> list[int]:
@@ -96,12 +76,11 @@ def probe(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
         paged_decode_attention(*args, plan=plan, out=out, trace=trace)
         _timer_kernel[(1,)](stamps[1:])
 
-    plain_us = replay_us(graph_of(lambda: [paged_decode_attention(*args, plan=plan, out=out)
-                                          for _ in range(10)]), 10)
-    traced_us = replay_us(graph_of(lambda: [paged_decode_attention(*args, plan=plan, out=out,
-                                                                   trace=trace)
-                                           for _ in range(10)]), 10)
-    graph = graph_of(traced)
+    plain_us = graph_us(lambda: [paged_decode_attention(*args, plan=plan, out=out)
+                                 for _ in range(10)]) / 10
+    traced_us = graph_us(lambda: [paged_decode_attention(*args, plan=plan, out=out, trace=trace)
+                                  for _ in range(10)]) / 10
+    graph = capture_graph(traced)
     runs = []
     for _ in range(REPLAYS):
         trace.zero_()

@@ -14,7 +14,7 @@ import json
 import torch
 
 import run_info
-from kernels import copy_bandwidth
+from kernels import copy_bandwidth, graph_us
 
 COPIES = 8
 ROWS = [8, 32, 64, 128, 256]
@@ -23,24 +23,6 @@ LAYERS = {"qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 614
                          ("down", 1024, 3072)],
           "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
                        ("down", 4096, 12288)]}
-
-
-def graph_us(fn, repeats: int = 20) -> float:
-    """Mean microseconds of one fn() call, replaying a graph of it."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats
 
 
 def measure(name: str, n: int, k: int, m: int, copy_bw: float) -> dict:

@@ -62,6 +62,31 @@ def bench_ms(fn: Callable[[], object], rep: int = 60) -> float:
     return do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn captured as a CUDA graph, after two eager calls (compiles, allocator warm-up)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def graph_us(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Mean microseconds of one fn() call, replaying a graph of it: how a step runs its kernels,
+    without the host's launch time that do_bench's eager calls include."""
+    graph = capture_graph(fn)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / repeats
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy of 1 GiB: bytes read + written per second."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)

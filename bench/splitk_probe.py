@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import run_info
+from kernels import graph_us
 
 from dataplane.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_parts
 from dataplane.kernels.splitk_matmul import splitk_matmul
@@ -31,19 +32,7 @@ CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, SPLITS=s, num_warps=4, num_stages=3)
 
 
 def layer_us(step) -> float:
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 20 / LAYERS
+    return graph_us(step) / LAYERS
 
 
 def measure(n: int, k: int, rows: int) -> dict:

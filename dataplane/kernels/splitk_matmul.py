@@ -57,14 +57,18 @@ def splitk_pays(num_rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
             and k % (cfg["SPLITS"] * cfg["BLOCK_K"]) == 0)
 
 
+# Tiles and split count: the probe's best at every batch size up to MAX_ROWS, one BLOCK_M for
+# every batch (one compiled variant a shape, met by configure's captures).
+_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLITS=4, DOT_PRECISION="tf32", num_warps=4,
+               num_stages=3)
+# float32 (tests): exact dots, tiles small enough for the tiny checkpoints
+_FLOAT32_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLITS=4, DOT_PRECISION="ieee",
+                       num_warps=4, num_stages=2)
+
+
 def splitk_config(dtype: torch.dtype) -> dict:
-    """Tiles and split count: the probe's best at every batch size up to MAX_ROWS."""
-    if dtype == torch.float32:  # tests: exact dots, tiles small enough for the tiny checkpoints
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLITS=4, DOT_PRECISION="ieee",
-                    num_warps=4, num_stages=2)
-    # one BLOCK_M for every batch: one compiled variant a shape, met by configure's captures
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLITS=4, DOT_PRECISION="tf32",
-                num_warps=4, num_stages=3)
+    """The kernel settings for this dtype (shared: copy before changing)."""
+    return _FLOAT32_CONFIG if dtype == torch.float32 else _CONFIG
 
 
 def splitk_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = None,

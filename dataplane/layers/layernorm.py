@@ -9,8 +9,7 @@ class RMSNorm(nn.Module):
     overwritten with the normalized output and residual with x + residual (callers hand over
     both; the model never reads them again). There x may also be float32 partial sums [parts,
     num_tokens, hidden] (a RowParallelLinear built with feeds_norm), summed as they are loaded;
-    the normalized output is then a new tensor.
-    Elsewhere the torch code below runs.
+    the normalized output is then a new tensor. Elsewhere the torch code below runs.
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
