@@ -1,8 +1,9 @@
 """Where the data plane's host time goes in steps that carry a prompt (piecewise graphs up to
-2048 tokens since the eighth session, eager before): cProfile over ModelRunner.submit while 48 requests of --prompt-len random tokens arrive next to
-16 running decodes, in-process on CUDA. Prints the mean host milliseconds of a prompt step
-(profiled, so inflated; serving.py's GetLoad figures are the unprofiled ones) and of a decode
-step, and the functions with the most own time in prompt steps.
+2048 tokens since the eighth session, eager before): cProfile over ModelRunner.submit while 48
+requests of --prompt-len random tokens arrive next to 16 running decodes, in-process on CUDA.
+Prints the mean host milliseconds of a prompt step (profiled, so inflated; serving.py's GetLoad
+figures are the unprofiled ones) and of a decode step, and the functions with the most own time
+in prompt steps.
 
     python bench/host_profile.py [--model qwen3-0.6b] [--prompt-len 512]
 """
