@@ -74,6 +74,7 @@ def test_curve_lets_only_authorized_data_planes_in(checkpoints, tmp_path):
             "--link-secret-key", str(keys / "dataplane.key_secret"),
             "--link-server-key", str(keys / "controlplane.key"), name="keyed"))
         server.wait_serving()
-        assert server.client.generate([1, 2, 3], max_tokens=4).completion_tokens == 4
+        completion = server.client.generate([1, 2, 3], ignore_eos=True, max_tokens=4)
+        assert completion.completion_tokens == 4
     finally:
         server.stop()

@@ -58,7 +58,7 @@ def test_the_right_key_opens_every_method(authed):
     with Client(authed.address, api_key=KEY) as client:
         for name, call in calls(client).items():
             call()
-        assert client.generate([1, 2], max_tokens=2).completion_tokens == 2
+        assert client.generate([1, 2], ignore_eos=True, max_tokens=2).completion_tokens == 2
 
 
 def make_pki(directory):
@@ -91,7 +91,7 @@ def test_tls_refuses_plaintext(checkpoints, tmp_path):
     try:
         with Client(address, tls=True, root_certificates=pki["ca.pem"]) as client:
             assert client.wait_until_serving(60)
-            assert client.generate([1, 2], max_tokens=2).completion_tokens == 2
+            assert client.generate([1, 2], ignore_eos=True, max_tokens=2).completion_tokens == 2
         with Client(address) as plaintext:
             with pytest.raises(grpc.RpcError) as error:
                 plaintext.tokenize("hi")
@@ -108,7 +108,7 @@ def test_mutual_tls_requires_a_client_certificate(checkpoints, tmp_path):
         with Client(address, tls=True, root_certificates=pki["ca.pem"],
                     certificate_chain=pki["client.pem"], private_key=pki["client.key"]) as client:
             assert client.wait_until_serving(60)
-            assert client.generate([1, 2], max_tokens=2).completion_tokens == 2
+            assert client.generate([1, 2], ignore_eos=True, max_tokens=2).completion_tokens == 2
         with Client(address, tls=True, root_certificates=pki["ca.pem"]) as anonymous:
             with pytest.raises(grpc.RpcError) as error:
                 anonymous.tokenize("hi")
