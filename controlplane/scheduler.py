@@ -10,6 +10,7 @@ slots and blocks allow and no request was preempted in this step.
 
 A suspect request (it was in a step that failed on the data plane) runs alone: while one is
 running or first in the queue, steps hold only that request, until it has sampled a token.
+Runners preempted to make room for it queue behind it.
 """
 
 from collections import deque
@@ -127,7 +128,8 @@ class Scheduler:
         while not self.free_slots or not self._schedule_waiting(out, budget, limit=1):
             if not self.running:
                 return  # it does not fit even alone: _fail_if_too_large covers that case
-            self._preempt(self.running[-1])
+            # queued behind the suspect (the head), which is the one to take its blocks
+            self._preempt(self.running[-1], queue_at=1)
             out.num_preempted += 1
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,
@@ -176,12 +178,13 @@ class Scheduler:
             admitted += 1
         return admitted
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, queue_at: int = 0) -> None:
+        """Back to the queue, at its head unless queue_at says further down."""
         self.running.remove(request)
         slot = request.slot
         request.preempt()
         self._release(request, slot)
-        self.waiting.appendleft(request)
+        self.waiting.insert(queue_at, request)
 
     def _release(self, request: Request, slot: int | None) -> None:
         """Give back the request's blocks and its data-plane slot (after its state changed, so

@@ -1,3 +1,5 @@
+import pytest
+
 from controlplane.request import FinishReason, RequestStatus
 from tests.controlplane.factories import (check, land, launch, lose_dataplane, make_request,
                                          make_scheduler, run_to_completion, step)
@@ -129,6 +131,32 @@ def test_suspects_run_alone_until_they_sample_then_rejoin_the_batch():
     assert summary(step(s)) == [("b", 6, [2, 3], True, True)]  # a waits: b runs alone
     assert summary(step(s)) == [("c", 6, [4, 5], True, True)]
     assert [x.request.request_id for x in step(s).scheduled] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_suspect_that_needs_a_runners_blocks_is_the_one_admitted(depth):
+    """After a loss, the new data plane's cache fits one request at a time. Once `a` has its
+    token, suspect `b` needs a's blocks: a is preempted and queued behind b, not ahead of it (a
+    re-admitted from scratch, its 12-token recompute a chunk of the 12-token budget short of a
+    token, would be preempted for b again: a loop that never ends without prefix caching). With
+    two steps in flight a's token may still be unknown when b needs its blocks."""
+    s = make_scheduler(num_blocks=16, max_num_batched_tokens=12, prefix_caching=False)
+    a, b = make_request("a", 12, max_tokens=8), make_request("b", list(range(200, 212)), max_tokens=4)
+    s.add(a)
+    s.add(b)
+    for _ in range(3):
+        step(s)
+    lose_dataplane(s, num_blocks=5)
+    in_flight = []
+    for _ in range(100):
+        while len(in_flight) < depth and s.num_unfinished:
+            in_flight.append(launch(s))
+        if not in_flight:
+            break
+        land(s, in_flight.pop(0))
+    assert s.num_unfinished == 0
+    assert [r.finish_reason for r in (a, b)] == [FinishReason.LENGTH] * 2
+    assert s.kv.num_used_blocks == 0
 
 
 def test_two_steps_in_flight_give_the_same_outputs_as_one():
