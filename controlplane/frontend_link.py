@@ -89,7 +89,9 @@ class FrontendLink:
                 self._frontends[identity] = time.monotonic()
             if body == "call":
                 key = (identity, message.call.call_id)
-                self._calls[key] = asyncio.create_task(self._run(identity, message.call))
+                task = self._calls[key] = asyncio.create_task(self._run(identity, message.call))
+                # (a task cancelled before it first ran never enters _run's finally)
+                task.add_done_callback(lambda done, key=key: self._forget_call(key, done))
             elif body == "cancel":
                 task = self._calls.get((identity, message.cancel.call_id))
                 if task is not None:
@@ -119,8 +121,10 @@ class FrontendLink:
             log.exception("call %s failed", call.method)
             self._reply(identity, call.call_id, done=(grpc.StatusCode.INTERNAL,
                                                       f"{call.method} failed in the server"))
-        finally:
-            self._calls.pop((identity, call.call_id), None)
+
+    def _forget_call(self, key: tuple[bytes, int], task: asyncio.Task) -> None:
+        if self._calls.get(key) is task:
+            del self._calls[key]
 
     # -- replies -------------------------------------------------------------------------------
 

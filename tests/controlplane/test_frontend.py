@@ -52,6 +52,47 @@ def test_messages_to_a_frontend_that_does_not_read_queue_without_loss():
     assert asyncio.run(main()) == 3001
 
 
+def test_calls_cancelled_before_they_start_are_forgotten():
+    """A client gone (its deadline passed) while the engine was busy: its call and the cancel
+    come in one read, the call's task is cancelled before it first runs, and it must still
+    leave the link's table of calls."""
+    async def generate(request, context):
+        await asyncio.sleep(60)
+        yield pb.GenerateResponse()
+
+    async def get_load(request, context):
+        return pb.Load(num_running=7)
+
+    def call(call_id: int, method: str, request) -> bytes:
+        return frontend_pb2.ToEngine(call=frontend_pb2.Call(
+            call_id=call_id, method=method, request=request.SerializeToString())).SerializeToString()
+
+    async def main():
+        servicer = types.SimpleNamespace(**{m.name: None for m in SERVICE.methods})
+        servicer.Generate, servicer.GetLoad = generate, get_load
+        link = FrontendLink(private_ipc_address("frontend"), servicer, serving=lambda: True)
+        await link.start()
+        frontend = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        frontend.setsockopt(zmq.LINGER, 0)
+        frontend.connect(link.address)
+        for call_id in range(1, 101):
+            await frontend.send(call(call_id, "Generate", pb.GenerateRequest()))
+            await frontend.send(frontend_pb2.ToEngine(cancel=frontend_pb2.Cancel(
+                call_id=call_id)).SerializeToString())
+        await frontend.send(call(101, "GetLoad", pb.GetLoadRequest()))
+        while True:  # until the last call's answer: the link has read everything before it
+            message = frontend_pb2.ToFrontend.FromString(await asyncio.wait_for(frontend.recv(), 10))
+            if any(r.call_id == 101 and r.done for r in message.replies):
+                break
+        await asyncio.sleep(0)
+        left = len(link._calls)
+        frontend.close()
+        await link.close()
+        return left
+
+    assert asyncio.run(main()) == 0
+
+
 def test_piled_up_responses_merge_into_one_in_order_with_the_last_ones_end():
     parts = [pb.GenerateResponse(request_id="r", token_ids=[1, 2], text="ab",
                                  logprobs=[pb.TokenLogprobs(logprob=-1.0),
