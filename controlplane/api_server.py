@@ -57,16 +57,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         capacity = info.num_kv_blocks * info.block_size if info else self.max_model_len
         return Limits(max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
                       max_total_tokens=min(capacity, self.max_model_len),
-                      max_logprobs=self.max_logprobs)
+                      max_logprobs=min(self.max_logprobs, self.model.vocab_size))
 
-    def _prompt(self, request: generation_pb2.GenerateRequest, limits: Limits) -> list[int]:
+    async def _prompt(self, request: generation_pb2.GenerateRequest, limits: Limits) -> list[int]:
         which = request.WhichOneof("input")
         if which is None:
             raise ValidationError("input", "set text or token_ids")
         if which == "text":
             if not request.text:
                 raise ValidationError("input.text", "the prompt is empty (0 characters)")
-            ids = self.engine.tokenizer.encode(request.text)
+            ids = await self.engine.tokenizer.encode_off_loop(request.text)
             validate_prompt(ids, "input.text", limits)
         else:
             ids = list(request.token_ids.ids)
@@ -85,7 +85,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         limits = self.limits()
         try:
             validate_request_id(request.request_id, limits)
-            prompt = self._prompt(request, limits)
+            prompt = await self._prompt(request, limits)
             params = sampling_params(request.sampling, len(prompt), limits)
         except ValidationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -119,7 +119,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest, context
                        ) -> generation_pb2.TokenizeResponse:
-        return generation_pb2.TokenizeResponse(token_ids=self.engine.tokenizer.encode(request.text))
+        return generation_pb2.TokenizeResponse(
+            token_ids=await self.engine.tokenizer.encode_off_loop(request.text))
 
     async def Detokenize(self, request: generation_pb2.DetokenizeRequest, context
                          ) -> generation_pb2.DetokenizeResponse:

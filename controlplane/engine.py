@@ -346,14 +346,17 @@ class Engine:
 
     def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
         stream = self.streams[request.request_id]
-        text, stopped = stream.detokenizer.add(token)
+        # stop strings count once min_tokens tokens came, like stop token ids (vLLM's rule)
+        text, stopped = stream.detokenizer.add(
+            token, may_stop=request.num_output_tokens > request.sampling.min_tokens)
         if stopped and not request.is_finished:
             self.scheduler.finish(request, FinishReason.STOP)
         if request.is_finished:
             if not stopped:
                 text += stream.detokenizer.flush()
             stream.add(token, text, logprobs)
-            self._end(stream, request.finish_reason)
+            # a stop string that completes on the last token allowed cut the text: STOP says so
+            self._end(stream, FinishReason.STOP if stopped else request.finish_reason)
         else:
             stream.add(token, text, logprobs)
 

@@ -27,6 +27,11 @@ class Limits:
     max_request_id_chars: int = 256
 
 
+# A temperature above 0 and below this samples at this one, as in vLLM (which warns and does the
+# same); 0 is greedy.
+MIN_TEMPERATURE = 0.01
+
+
 def _require(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValidationError(field, message)
@@ -65,6 +70,8 @@ def sampling_params(proto: generation_pb2.SamplingParams, num_prompt_tokens: int
              f"{limits.max_total_tokens} tokens one request can hold in the KV cache")
     p = proto
     temperature = _float(p, "temperature", 1.0, lambda v: v >= 0, ">= 0")
+    if 0 < temperature < MIN_TEMPERATURE:  # logits divided by less can overflow to inf: NaN
+        temperature = MIN_TEMPERATURE
     top_p = _float(p, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]")
     min_p = _float(p, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]")
     repetition = _float(p, "repetition_penalty", 1.0, lambda v: v > 0, "> 0")

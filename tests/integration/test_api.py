@@ -152,6 +152,47 @@ def test_stop_token_id_is_returned_and_ends_the_request(server):
     assert stop_id not in c.token_ids[:first + 2]
 
 
+def test_stop_strings_wait_for_min_tokens_and_one_on_the_last_token_reads_stop(server):
+    """As in vLLM: a stop string counts from the token after min_tokens on, and one completed by
+    the last token max_tokens allows still cuts the text and ends the request with STOP."""
+    prompt = [5, 17, 99, 3]
+    token_ids = [t for c in greedy_chunks(server, prompt, 40) for t in c.token_ids]
+    full = server.client.detokenize(token_ids)
+    stop = next(full[i:i + 2] for i in range(len(full) - 1)
+                if full[i:i + 2].strip() and "\ufffd" not in full[i:i + 2])
+    # the token that completes its first occurrence
+    ends = next(n for n in range(1, 41) if stop in server.client.detokenize(token_ids[:n]))
+    kwargs = dict(temperature=0, ignore_eos=True, stop=[stop])
+    c = server.client.generate(prompt, max_tokens=ends, **kwargs)
+    assert (c.text, c.completion_tokens, c.finish_reason) == (full[:full.find(stop)], ends, "stop")
+    c = server.client.generate(prompt, max_tokens=40, min_tokens=ends, **kwargs)
+    assert c.completion_tokens > ends and full.startswith(c.text)
+    assert c.finish_reason == ("stop" if c.completion_tokens < 40 else "length")
+    assert server.wait_idle()
+
+
+def test_a_temperature_below_the_floor_samples_at_the_floor(server):
+    """vLLM's floor of 0.01: dividing the logits by 1e-38 overflowed to inf, and the sampler drew
+    from NaN probabilities."""
+    kwargs = dict(max_tokens=12, seed=7, ignore_eos=True)
+    tiny = server.client.generate([40, 41, 42], temperature=1e-38, **kwargs)
+    assert tiny.token_ids == server.client.generate([40, 41, 42], temperature=0.01,
+                                                    **kwargs).token_ids
+
+
+def test_a_huge_text_prompt_is_refused_without_stalling_the_engine(server):
+    """3.8 MB of text takes the tokenizer about 2 s. It runs off the engine's event loop, whose
+    steps and data-plane heartbeats go on meanwhile: on it, the link declared the data plane
+    lost and killed it."""
+    losses = server.client.load().num_dataplane_losses
+    with pytest.raises(grpc.RpcError) as error:
+        server.client.generate("lorem ipsum dolor " * 210_000, max_tokens=1)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith("input.text: the prompt has ")
+    assert server.client.load().num_dataplane_losses == losses
+    good_request(server)
+
+
 def test_seeded_sampling_is_reproducible_across_runs_and_batches(server):
     prompt = [40, 41, 42, 43]
     kwargs = dict(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
