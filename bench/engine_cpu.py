@@ -54,6 +54,9 @@ class InstantDataPlane:
                 sampled.append(7)
         return link_pb2.StepResult(step_id=step.step_id, sampled_token_ids=pack_i32(sampled))
 
+    def drop(self, reason: str) -> None:
+        raise RuntimeError(reason)
+
 
 async def run_once(num_requests: int, stream_interval: int) -> tuple[int, float]:
     tokenizer = Tokenizer(build_tokenizer(320), 320)

@@ -8,12 +8,13 @@ from protos import link_pb2
 
 
 class DataPlaneLost(Exception):
-    """The data plane died, hung, or was replaced; its KV cache is gone. `step_failed`: it
-    reported that running the step raised (the step's requests are suspects)."""
+    """The data plane died, hung, or was replaced; its KV cache is gone. `failed_step_id`: it
+    reported that running this step raised (that step's requests are suspects). Every step in
+    flight fails with the same error, whichever one it names."""
 
-    def __init__(self, reason: str, step_failed: bool = False) -> None:
+    def __init__(self, reason: str, failed_step_id: int | None = None) -> None:
         super().__init__(reason)
-        self.step_failed = step_failed
+        self.failed_step_id = failed_step_id
 
 
 @dataclass(frozen=True)
@@ -41,4 +42,9 @@ class DataPlaneClient(Protocol):
     async def execute(self, step: link_pb2.Step, epoch: int, timeout_s: float) -> link_pb2.StepResult:
         """Run one step on the data plane attached in `epoch`. Raises DataPlaneLost if that data
         plane is gone, goes while the step runs, or does not answer within `timeout_s`."""
+        ...
+
+    def drop(self, reason: str) -> None:
+        """Give up on the attached data plane (it answered what cannot be): it is told to go,
+        its steps in flight fail with DataPlaneLost, and attach() waits for another."""
         ...

@@ -7,7 +7,9 @@ connection drops (seen at once through a socket monitor), when it goes silent fo
 configures, `configure_timeout_s`, since a kernel compile can keep that thread off the GIL),
 when a step reply misses its deadline, or when it reports a failed step. A step whose reply is late is sent again
 (with backoff) before its deadline, so a lost message costs a retransmission, not a data plane. Loss fails the step in flight with
-DataPlaneLost, and the lost data plane is told to exit (a Reject in its epoch).
+DataPlaneLost, and the lost data plane is told to exit (a Reject in its epoch), except when the
+control plane itself stops: a data plane waits `--controlplane-grace` for the next one, weights
+loaded.
 """
 
 import asyncio
@@ -88,7 +90,7 @@ class DataPlaneLink:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._lose("control plane closing")
+        self._lose("control plane closing", reject=False)
         if self._sock is not None:
             self._sock.disable_monitor()
             self._monitor_sock.close()
@@ -145,7 +147,10 @@ class DataPlaneLink:
             self._lose(f"send failed: {e}")
             raise DataPlaneLost(str(e)) from None
 
-    def _lose(self, reason: str, step_failed: bool = False) -> None:
+    def drop(self, reason: str) -> None:
+        self._lose(reason)
+
+    def _lose(self, reason: str, failed_step_id: int | None = None, reject: bool = True) -> None:
         peer = self._peer
         if peer is None:
             return
@@ -154,12 +159,13 @@ class DataPlaneLink:
         self._peer = None
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(DataPlaneLost(reason, step_failed=step_failed))
+                future.set_exception(DataPlaneLost(reason, failed_step_id))
         self._attached.set()  # wake attach() waiters so they re-check
         if was_attached:
             self._on_change(False)
         # If it still runs (hung, partitioned), it must not serve a stale epoch: tell it to exit.
-        self._reject_soon(peer, f"declared lost: {reason}")
+        if reject:
+            self._reject_soon(peer, f"declared lost: {reason}")
 
     def _reject_soon(self, peer: _Peer, reason: str) -> None:
         if self._sock is None or self._sock.closed:
@@ -243,7 +249,7 @@ class DataPlaneLink:
                 future.set_result(message.step_result)
         elif kind == "step_error":
             error = message.step_error
-            self._lose(f"step {error.step_id} failed: {error.message}", step_failed=True)
+            self._lose(f"step {error.step_id} failed: {error.message}", error.step_id)
 
     async def _configure(self, peer: _Peer) -> None:
         """Send (or repeat) Configure; a data plane configured in this epoch answers a repeat
@@ -290,6 +296,10 @@ class DataPlaneLink:
         if peer.info is not None:
             return  # the answer to a repeated Configure
         h = peer.hello
+        if ready.num_kv_blocks < 1 or ready.block_size != h.block_size or h.block_size < 1:
+            self._lose(f"its Ready ({ready.num_kv_blocks} KV blocks of {ready.block_size} tokens) "
+                       f"does not fit its Hello (blocks of {h.block_size})")
+            return
         peer.info = DataPlaneInfo(epoch=peer.epoch, instance_id=h.instance_id,
                                   num_kv_blocks=ready.num_kv_blocks, block_size=ready.block_size,
                                   tp_size=h.tp_size, dtype=h.dtype, device=h.device,

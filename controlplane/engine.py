@@ -25,7 +25,7 @@ from controlplane.deadline import StepDeadline
 from controlplane.kv_manager import KVCacheManager
 from controlplane.request import FinishReason, Request
 from controlplane.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from controlplane.step_codec import TokenLogprobs, decode_result, encode_step
+from controlplane.step_codec import MalformedResult, TokenLogprobs, decode_result, encode_step
 from controlplane.streams import Chunk, Releases, RequestStream
 from controlplane.tokenizer import Tokenizer
 
@@ -67,8 +67,8 @@ class EngineConfig:
     # After a loss, how long requests wait for a data plane before they end UNAVAILABLE.
     reattach_timeout_s: float = 30.0
     step_timeout_cap_s: float = 120.0
-    # A request that was alone in this many steps that failed on the data plane fails
-    # (INTERNAL), so one poisonous request cannot crash data planes forever.
+    # A request that was alone in this many steps that failed on the data plane, with no token
+    # between, fails (INTERNAL), so one poisonous request cannot crash data planes forever.
     max_step_failures: int = 2
     # Steps in flight at once: with 2, the next step is scheduled and sent while the data plane
     # runs the current one, so neither side waits for the other (tokens still in flight are
@@ -91,6 +91,7 @@ class NotAccepting(Exception):
 
 @dataclass
 class _InFlight:
+    step_id: int
     out: SchedulerOutput
     num_tokens: int
     reply: asyncio.Task
@@ -239,8 +240,9 @@ class Engine:
         assert self.attachment is Attachment.ATTACHED
         self.num_dataplane_losses += 1
         self.releases.release()
-        if error.step_failed and self._in_flight:
-            self._blame(self._in_flight[0].out)
+        failed = [s for s in self._in_flight if s.step_id == error.failed_step_id]
+        if failed:  # (every step in flight failed with this error: the one it names is to blame)
+            self._blame(failed[0].out)
         for step in self._in_flight:
             step.reply.cancel()
         self._in_flight.clear()
@@ -253,8 +255,8 @@ class Engine:
 
     def _blame(self, out: SchedulerOutput) -> None:
         """The step failed on the data plane: its requests become suspects, which run alone
-        from now on until they get a token through; one that fails alone again and again is
-        the culprit and fails."""
+        from now on until they get a token through; one that fails alone max_step_failures
+        times with no token between is the culprit and fails."""
         requests = [s.request for s in out.scheduled if not s.request.is_finished]
         for request in requests:
             request.is_suspect = True
@@ -308,12 +310,17 @@ class Engine:
                 raise
             if self._closing:
                 return
+            try:
+                tokens, logprobs = decode_result(result, step.out, self.tokenizer.vocab_size)
+            except MalformedResult as e:
+                self.dataplane.drop(str(e))
+                raise DataPlaneLost(str(e)) from None
             self._in_flight.popleft()
             self.num_steps += 1
             self.deadline.observe(step.num_tokens, time.monotonic() - step.started)
             self.step_times.observe(step.num_tokens > len(step.out.scheduled),
                                     result.timings.forward_ms, result.timings.total_ms)
-            self._process(step.out, result)
+            self._process(step.out, tokens, logprobs)
 
     def _launch(self, epoch: int) -> bool:
         """Schedule a step and send it; False when there is nothing to send."""
@@ -331,11 +338,11 @@ class Engine:
         self._last_step_id = step.step_id
         reply = asyncio.ensure_future(self.dataplane.execute(
             step, epoch, self.deadline.timeout_for(queued)))
-        self._in_flight.append(_InFlight(out, num_tokens, reply, time.monotonic()))
+        self._in_flight.append(_InFlight(step.step_id, out, num_tokens, reply, time.monotonic()))
         return True
 
-    def _process(self, out: SchedulerOutput, result) -> None:
-        tokens, logprobs = decode_result(result, out)
+    def _process(self, out: SchedulerOutput, tokens: list[int],
+                 logprobs: list[TokenLogprobs | None]) -> None:
         for request, index in self.scheduler.update(out, tokens):
             try:
                 self._emit(request, tokens[index], logprobs[index])

@@ -14,6 +14,7 @@ import time
 import grpc
 import zmq
 import zmq.asyncio
+from google.protobuf.message import DecodeError
 
 from common.transport import unbounded_socket
 from controlplane.api_server import GenerationServicer
@@ -58,6 +59,7 @@ class FrontendLink:
         self._out: dict[bytes, dict[int, frontend_pb2.Reply]] = {}
         self._state_due = False
         self._flush_scheduled = False
+        self.num_dropped = 0  # malformed messages
 
     async def start(self) -> None:
         # A front-end silent for _FRONTEND_SILENT_S is forgotten, which bounds its queue.
@@ -82,8 +84,15 @@ class FrontendLink:
 
     async def _reader(self) -> None:
         while True:
-            identity, payload = await self._sock.recv_multipart()
-            message = frontend_pb2.ToEngine.FromString(payload)
+            frames = await self._sock.recv_multipart()
+            try:
+                identity, payload = frames
+                message = frontend_pb2.ToEngine.FromString(payload)
+            except (ValueError, DecodeError):  # not from a front-end of ours: ignored, not fatal
+                self.num_dropped += 1
+                log.warning("dropped a malformed message on the front-end socket (%d frames)",
+                            len(frames))
+                continue
             body = message.WhichOneof("body")
             if identity in self._frontends:
                 self._frontends[identity] = time.monotonic()

@@ -53,7 +53,7 @@ class Request:
         # In a step that failed on the data plane: runs alone until it gets a token through,
         # so a request that crashes data planes is told apart from its batch-mates.
         self.is_suspect = False
-        self.num_solo_failures = 0
+        self.num_solo_failures = 0  # steps it failed alone since its last token
         self.arrival_time = time.monotonic()
 
     @property

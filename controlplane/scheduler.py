@@ -211,6 +211,7 @@ class Scheduler:
                 continue
             produced.append((request, index))
             request.is_suspect = False  # it got a token through
+            request.num_solo_failures = 0  # a culprit fails alone again and again, not now and then
             reason = request.append_output(sampled_token_ids[index])
             if reason is not None:
                 self.finish(request, reason)

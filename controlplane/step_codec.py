@@ -52,19 +52,37 @@ def encode_step(step_id: int, previous_step_id: int, out: SchedulerOutput) -> li
     return step
 
 
-def decode_result(result: link_pb2.StepResult, out: SchedulerOutput
+class MalformedResult(ValueError):
+    """A StepResult that does not fit the step it answers: its data plane is not to be trusted."""
+
+
+def decode_result(result: link_pb2.StepResult, out: SchedulerOutput, vocab_size: int
                   ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Sampled tokens in batch order, and the logprobs of each (None where not asked for)."""
-    tokens = list(unpack_i32(result.sampled_token_ids))
+    """Sampled tokens in batch order, and the logprobs of each (None where not asked for).
+    Raises MalformedResult unless there is one token in [0, vocab_size) per sampling request and
+    logprobs for exactly those that asked."""
+    try:
+        tokens = list(unpack_i32(result.sampled_token_ids))
+        sampled = unpack_f32(result.sampled_logprobs)
+        top_ids, top_values = unpack_i32(result.top_token_ids), unpack_f32(result.top_logprobs)
+    except ValueError as e:  # a length that is no multiple of 4
+        raise MalformedResult(f"step {result.step_id}'s result: {e}") from None
+    wanted = [s.request.sampling.logprobs for s in out.scheduled if s.samples]
+    num_top = sum(n for n in wanted if n is not None)
+    num_sampled = len(wanted) - wanted.count(None)
+    if len(tokens) != len(wanted) or len(sampled) != num_sampled or \
+            len(top_ids) != num_top or len(top_values) != num_top:
+        raise MalformedResult(
+            f"step {result.step_id}'s result has {len(tokens)} tokens, {len(sampled)} logprobs "
+            f"and {len(top_ids)}/{len(top_values)} top ids/logprobs for {len(wanted)} sampling "
+            f"requests, {num_sampled} of them asking for {num_top} top logprobs")
+    if not all(0 <= t < vocab_size for t in tokens):
+        raise MalformedResult(f"step {result.step_id}'s result has a token outside the "
+                              f"vocabulary [0, {vocab_size}): {tokens}"[:300])
     logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
-    if not result.sampled_logprobs:
-        return tokens, logprobs
-    sampled = unpack_f32(result.sampled_logprobs)
-    top_ids, top_values = unpack_i32(result.top_token_ids), unpack_f32(result.top_logprobs)
     offset = 0
     wanting = iter(sampled)
-    for i, s in enumerate(x for x in out.scheduled if x.samples):
-        n = s.request.sampling.logprobs
+    for i, n in enumerate(wanted):
         if n is None:
             continue
         top = tuple(zip(top_ids[offset:offset + n], top_values[offset:offset + n]))

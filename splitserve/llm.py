@@ -59,6 +59,10 @@ class InProcessDataPlane:
             await asyncio.to_thread(pending.done.synchronize)
         return self.runner.finish(pending)
 
+    def drop(self, reason: str) -> None:
+        """A result that did not fit its step: a bug here, not a remote fault; fail loudly."""
+        raise RuntimeError(f"the in-process data plane answered what cannot be: {reason}")
+
 
 class LLM:
     def __init__(self, model: str | pathlib.Path, *, max_num_seqs: int = 256,

@@ -19,6 +19,7 @@ class FakeDataPlane:
         self.fail_at_step: tuple[int, DataPlaneLost] | None = None  # (step number, error to raise)
         self.poison_token: int | None = None  # a step with a request holding it fails
         self.num_steps = 0
+        self.dropped: str | None = None  # why the engine gave up on it
 
     @property
     def is_attached(self) -> bool:
@@ -32,6 +33,10 @@ class FakeDataPlane:
 
     def disconnect(self) -> None:
         self.attached.clear()
+
+    def drop(self, reason: str) -> None:
+        self.dropped = reason
+        self.disconnect()
 
     async def attach(self) -> DataPlaneInfo:
         await self.attached.wait()
@@ -50,7 +55,7 @@ class FakeDataPlane:
         slots = unpack_i32(step.slots)
         if self.poison_token is not None and any(self.poison_token in self.tokens[s] for s in slots):
             self.disconnect()
-            raise DataPlaneLost("poisoned step", step_failed=True)
+            raise DataPlaneLost("poisoned step", step.step_id)
         if self.fail_at_step is not None and self.num_steps >= self.fail_at_step[0]:
             error, self.fail_at_step = self.fail_at_step[1], None
             self.disconnect()

@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from common.wire import pack_f32, pack_i32
 from controlplane.dataplane_client import DataPlaneLost
 from controlplane.engine import Attachment, Engine, EngineConfig, NotAccepting
 from controlplane.request import FinishReason
@@ -165,12 +166,132 @@ def test_a_request_in_repeatedly_failing_steps_fails_alone():
     assert load[:3] == (0, 0, 0)
 
 
+class LinkLikeDataPlane(FakeDataPlane):
+    """Like the ZeroMQ link: a step's answer comes once the next step has run (or a moment
+    later when none comes), and a step that fails fails every step in flight with its error,
+    which names it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unanswered: list[asyncio.Future] = []
+
+    async def execute(self, step, epoch, timeout_s):
+        try:
+            result = await super().execute(step, epoch, timeout_s)
+        except DataPlaneLost as e:
+            for earlier in self.unanswered:
+                if not earlier.done():
+                    earlier.set_exception(e)
+            raise
+        for earlier in self.unanswered:  # answered now
+            if not earlier.done():
+                earlier.set_result(None)
+        mine = asyncio.get_running_loop().create_future()
+        self.unanswered = [*self.unanswered, mine]
+        try:
+            await asyncio.wait_for(asyncio.shield(mine), 0.05)
+        except TimeoutError:
+            pass
+        finally:
+            self.unanswered.remove(mine)
+        return result
+
+
+def test_a_failed_step_blames_its_own_requests_not_the_step_in_flight_before_it():
+    """'a' runs alone; 'poison' joins it in the next step, which fails while the step of 'a'
+    alone is still unanswered. The failure is the later step's: both become suspects, and only
+    'poison', failing alone twice, fails; blaming the earlier step made 'a' the culprit."""
+    async def body(engine, dp):
+        a = engine.add_request(make_request("a", [1, 2], max_tokens=30))
+        await until(lambda: dp.num_steps >= 3)
+        dp.poison_token = 66
+        poison = engine.add_request(make_request("poison", [66, 1], max_tokens=5))
+
+        async def supervise():
+            while True:
+                if not dp.is_attached:
+                    dp.connect()
+                await asyncio.sleep(0.001)
+        supervisor = asyncio.create_task(supervise())
+        try:
+            return await collect(a), await collect(poison), engine.load()
+        finally:
+            supervisor.cancel()
+
+    a, poison, load = run(body, fake=LinkLikeDataPlane())
+    assert tokens_of(a) == expected_tokens([1, 2], 30) and a[-1].finish_reason is FinishReason.LENGTH
+    assert poison[-1].finish_reason is FinishReason.ERROR
+    assert load[:3] == (0, 0, 0)
+
+
+def test_a_request_that_gets_tokens_between_failures_is_no_culprit():
+    """Two unrelated failures (a killed rank, say) while 'a' runs alone, with tokens between:
+    it stays a suspect for a step each time and finishes."""
+    async def body(engine, dp):
+        original = dp.execute
+
+        async def failing(step, epoch, timeout_s):
+            if dp.num_steps + 1 in (3, 10):  # its third and tenth step fail
+                dp.num_steps += 1
+                dp.disconnect()
+                raise DataPlaneLost("a rank died", step.step_id)
+            return await original(step, epoch, timeout_s)
+        dp.execute = failing
+        a = engine.add_request(make_request("a", [1, 2], max_tokens=20))
+
+        async def supervise():
+            while True:
+                if not dp.is_attached:
+                    dp.connect()
+                await asyncio.sleep(0.001)
+        supervisor = asyncio.create_task(supervise())
+        try:
+            return await collect(a), engine.num_dataplane_losses
+        finally:
+            supervisor.cancel()
+
+    a, losses = run(body)
+    assert losses == 2
+    assert tokens_of(a) == expected_tokens([1, 2], 20) and a[-1].finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("mangle", [
+    lambda r: setattr(r, "sampled_token_ids", r.sampled_token_ids[:-1]),  # not whole int32s
+    lambda r: setattr(r, "sampled_token_ids", r.sampled_token_ids * 2),  # a token too many
+    lambda r: setattr(r, "sampled_token_ids", b""),  # none
+    lambda r: setattr(r, "sampled_token_ids", pack_i32([10 ** 6] * 3)),  # outside the vocabulary
+    lambda r: setattr(r, "sampled_logprobs", pack_f32([-1.0])),  # logprobs nobody asked for
+], ids=["partial", "extra", "none", "vocab", "logprobs"])
+def test_a_result_that_does_not_fit_its_step_drops_the_data_plane_and_nothing_else(mangle):
+    """A data plane that answers nonsense is given up on like a lost one: the engine carries
+    on (its streams continue on the next data plane, identically), nothing is blamed."""
+    async def body(engine, dp):
+        streams = {rid: engine.add_request(make_request(rid, p, max_tokens=10))
+                   for rid, p in PROMPTS.items()}
+        original = dp.execute
+
+        async def mangled(step, epoch, timeout_s):
+            result = await original(step, epoch, timeout_s)
+            if dp.num_steps == 4:
+                mangle(result)
+            return result
+        dp.execute = mangled
+        await until(lambda: dp.dropped is not None)
+        dp.connect()
+        return {rid: await collect(s) for rid, s in streams.items()}, dp.dropped, engine.load()
+
+    results, dropped, load = run(body)
+    assert "step" in dropped and load[:3] == (0, 0, 0)
+    for rid, chunks in results.items():
+        assert tokens_of(chunks) == expected_tokens(PROMPTS[rid], 10)
+
+
 def test_a_fault_while_processing_one_request_fails_only_that_request():
     async def body(engine, dp):
         healthy = engine.add_request(make_request("ok", [1, 2, 3], max_tokens=6))
         broken = engine.add_request(make_request("broken", [4, 5, 6], max_tokens=6))
 
-        def explode(token_id):
+        def explode(token_id, may_stop=True):
             raise UnicodeError("detokenizer bug")
         broken.detokenizer.add = explode
         return await collect(healthy), await collect(broken), engine.load()

@@ -93,6 +93,37 @@ def test_calls_cancelled_before_they_start_are_forgotten():
     assert asyncio.run(main()) == 0
 
 
+def test_a_malformed_message_is_dropped_and_the_link_serves_on():
+    """Garbage on the engine's front-end socket (one frame too many, bytes that are no proto)
+    is counted and dropped; it killed the reader, after which every call went unanswered."""
+    async def get_load(request, context):
+        return pb.Load(num_running=7)
+
+    async def main():
+        servicer = types.SimpleNamespace(**{m.name: None for m in SERVICE.methods})
+        servicer.GetLoad = get_load
+        link = FrontendLink(private_ipc_address("frontend"), servicer, serving=lambda: True)
+        await link.start()
+        frontend = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        frontend.setsockopt(zmq.LINGER, 0)
+        frontend.connect(link.address)
+        await frontend.send_multipart([b"two", b"frames"])
+        await frontend.send(b"\xff\xff not a proto")
+        await frontend.send(frontend_pb2.ToEngine(call=frontend_pb2.Call(
+            call_id=1, method="GetLoad",
+            request=pb.GetLoadRequest().SerializeToString())).SerializeToString())
+        reply = None
+        while reply is None:
+            message = frontend_pb2.ToFrontend.FromString(await asyncio.wait_for(frontend.recv(), 10))
+            reply = next((r for r in message.replies if r.call_id == 1 and r.done), None)
+        dropped = link.num_dropped
+        frontend.close()
+        await link.close()
+        return pb.Load.FromString(reply.messages[0]).num_running, dropped
+
+    assert asyncio.run(main()) == (7, 2)
+
+
 def test_piled_up_responses_merge_into_one_in_order_with_the_last_ones_end():
     parts = [pb.GenerateResponse(request_id="r", token_ids=[1, 2], text="ab",
                                  logprobs=[pb.TokenLogprobs(logprob=-1.0),
