@@ -74,9 +74,14 @@ def lose_dataplane(scheduler: Scheduler, num_blocks: int) -> None:
     scheduler.reset_kv(KVCacheManager(num_blocks, BLOCK_SIZE, scheduler.config.enable_prefix_caching))
 
 
-def run_to_completion(scheduler: Scheduler, max_steps: int = 1000) -> int:
+def run_to_completion(scheduler: Scheduler, max_steps: int = 1000, depth: int = 1) -> int:
+    """Steps until every request is done, with up to `depth` of them in flight (the oldest is
+    answered once that many are out, or nothing is left to send); returns how many ran."""
+    in_flight: list[SchedulerOutput] = []
     for n in range(max_steps):
-        if scheduler.num_unfinished == 0:
+        while len(in_flight) < depth and scheduler.num_unfinished:
+            in_flight.append(launch(scheduler))
+        if not in_flight:
             return n
-        step(scheduler)
+        land(scheduler, in_flight.pop(0))
     raise AssertionError(f"not done after {max_steps} steps")

@@ -2,6 +2,7 @@
 per-request faults, drain."""
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -48,6 +49,21 @@ async def collect(stream):
 async def until(predicate):
     while not predicate():
         await asyncio.sleep(0.001)
+
+
+@contextlib.asynccontextmanager
+async def restarted_when_lost(dp: FakeDataPlane):
+    """Within: the fake data plane comes back whenever it is lost, as a supervisor brings one."""
+    async def supervise():
+        while True:
+            if not dp.is_attached:
+                dp.connect()
+            await asyncio.sleep(0.001)
+    supervisor = asyncio.create_task(supervise())
+    try:
+        yield
+    finally:
+        supervisor.cancel()
 
 
 def tokens_of(chunks):
@@ -145,17 +161,9 @@ def test_a_request_in_repeatedly_failing_steps_fails_alone():
         poison = engine.add_request(make_request("poison", [66, 1], max_tokens=5))
         other = engine.add_request(make_request("other", [3, 4, 5], max_tokens=5))
 
-        async def supervise():  # restarts the data plane whenever it dies
-            while True:
-                if not dp.is_attached:
-                    dp.connect()
-                await asyncio.sleep(0.001)
-        supervisor = asyncio.create_task(supervise())
-        try:
+        async with restarted_when_lost(dp):
             return (await collect(good), await collect(poison), await collect(other),
                     engine.load(), engine.num_dataplane_losses)
-        finally:
-            supervisor.cancel()
 
     good, poison, other, load, losses = run(body, fake=fake)
     # the batch fails once; then 'poison' fails alone twice while its batch-mates run on
@@ -206,17 +214,8 @@ def test_a_failed_step_blames_its_own_requests_not_the_step_in_flight_before_it(
         await until(lambda: dp.num_steps >= 3)
         dp.poison_token = 66
         poison = engine.add_request(make_request("poison", [66, 1], max_tokens=5))
-
-        async def supervise():
-            while True:
-                if not dp.is_attached:
-                    dp.connect()
-                await asyncio.sleep(0.001)
-        supervisor = asyncio.create_task(supervise())
-        try:
+        async with restarted_when_lost(dp):
             return await collect(a), await collect(poison), engine.load()
-        finally:
-            supervisor.cancel()
 
     a, poison, load = run(body, fake=LinkLikeDataPlane())
     assert tokens_of(a) == expected_tokens([1, 2], 30) and a[-1].finish_reason is FinishReason.LENGTH
@@ -238,17 +237,8 @@ def test_a_request_that_gets_tokens_between_failures_is_no_culprit():
             return await original(step, epoch, timeout_s)
         dp.execute = failing
         a = engine.add_request(make_request("a", [1, 2], max_tokens=20))
-
-        async def supervise():
-            while True:
-                if not dp.is_attached:
-                    dp.connect()
-                await asyncio.sleep(0.001)
-        supervisor = asyncio.create_task(supervise())
-        try:
+        async with restarted_when_lost(dp):
             return await collect(a), engine.num_dataplane_losses
-        finally:
-            supervisor.cancel()
 
     a, losses = run(body)
     assert losses == 2

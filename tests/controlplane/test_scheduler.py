@@ -1,8 +1,8 @@
 import pytest
 
 from controlplane.request import FinishReason, RequestStatus
-from tests.controlplane.factories import (check, land, launch, lose_dataplane, make_request,
-                                         make_scheduler, run_to_completion, step)
+from tests.controlplane.factories import (check, lose_dataplane, make_request, make_scheduler,
+                                         run_to_completion, step)
 
 
 def summary(out):
@@ -147,14 +147,7 @@ def test_a_suspect_that_needs_a_runners_blocks_is_the_one_admitted(depth):
     for _ in range(3):
         step(s)
     lose_dataplane(s, num_blocks=5)
-    in_flight = []
-    for _ in range(100):
-        while len(in_flight) < depth and s.num_unfinished:
-            in_flight.append(launch(s))
-        if not in_flight:
-            break
-        land(s, in_flight.pop(0))
-    assert s.num_unfinished == 0
+    run_to_completion(s, max_steps=100, depth=depth)
     assert [r.finish_reason for r in (a, b)] == [FinishReason.LENGTH] * 2
     assert s.kv.num_used_blocks == 0
 
@@ -168,13 +161,7 @@ def test_two_steps_in_flight_give_the_same_outputs_as_one():
                 for i, rid in enumerate("abcd")]
         for r in reqs:
             s.add(r)
-        in_flight = []
-        for _ in range(200):
-            while len(in_flight) < depth and s.num_unfinished:
-                in_flight.append(launch(s))
-            if not in_flight:
-                break
-            land(s, in_flight.pop(0))
+        run_to_completion(s, max_steps=200, depth=depth)
         return [(r.output_token_ids, r.finish_reason) for r in reqs], s.kv.num_used_blocks
 
     assert outputs(2, 32) == outputs(1, 32)

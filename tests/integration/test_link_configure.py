@@ -15,22 +15,43 @@ from tests.integration.test_link_security import rogue_hello
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def test_a_data_plane_silent_while_configuring_is_attached_when_ready(checkpoints, tmp_path):
-    model = checkpoints["untied"]
-    link = f"tcp://127.0.0.1:{harness.free_port()}"
-    server = harness.controlplane(model, tmp_path, link)
+def dealer(link: str) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(link)
+    return sock
+
+
+def say_hello(sock: zmq.Socket, model) -> link_pb2.LinkMessage:
+    """A data plane's Hello; returns the control plane's answer, a Configure."""
+    sock.send_multipart(rogue_hello(model))
+    assert sock.poll(10_000), "no Configure"
+    configure = framing.decode(sock.recv_multipart())
+    assert configure.WhichOneof("body") == "configure"
+    return configure
+
+
+@pytest.fixture
+def control_plane(checkpoints, tmp_path):
+    """A control plane that waits for a data plane: (the model, its link address, the server)."""
+    link = f"tcp://127.0.0.1:{harness.free_port()}"
+    server = harness.controlplane(checkpoints["untied"], tmp_path, link)
+    yield checkpoints["untied"], link, server
+    server.stop()
+
+
+def say_ready(sock: zmq.Socket, configure: link_pb2.LinkMessage, ready: link_pb2.Ready) -> None:
+    sock.send_multipart(framing.encode(link_pb2.LinkMessage(seq=2, epoch=configure.epoch,
+                                                            ready=ready)))
+
+
+def test_a_data_plane_silent_while_configuring_is_attached_when_ready(control_plane):
+    model, link, server = control_plane
+    sock = dealer(link)
     try:
-        sock.send_multipart(rogue_hello(model))
-        assert sock.poll(10_000), "no Configure"
-        configure = framing.decode(sock.recv_multipart())
-        assert configure.WhichOneof("body") == "configure"
+        configure = say_hello(sock, model)
         time.sleep(3.0)  # twice the heartbeat timeout, not a word (Configure repeats ignored)
-        ready = link_pb2.Ready(num_kv_blocks=64, block_size=16)
-        sock.send_multipart(framing.encode(link_pb2.LinkMessage(seq=2, epoch=configure.epoch,
-                                                                ready=ready)))
+        say_ready(sock, configure, link_pb2.Ready(num_kv_blocks=64, block_size=16))
         seq = itertools.count(3)
 
         def heartbeat_and_check() -> bool:
@@ -42,41 +63,26 @@ def test_a_data_plane_silent_while_configuring_is_attached_when_ready(checkpoint
         assert "silent" not in server.log()
     finally:
         sock.close()
-        server.stop()
 
 
 @pytest.mark.parametrize("ready", [link_pb2.Ready(num_kv_blocks=64, block_size=0),
                                    link_pb2.Ready(num_kv_blocks=64, block_size=8),
                                    link_pb2.Ready(num_kv_blocks=0, block_size=16)],
                          ids=["block-size-0", "not-its-hellos", "no-blocks"])
-def test_a_ready_that_does_not_fit_its_hello_is_refused(checkpoints, tmp_path, ready):
+def test_a_ready_that_does_not_fit_its_hello_is_refused(control_plane, ready):
     """Blocks of 0 tokens (its Hello said 16) would have divided by zero in the scheduler and
     ended the control plane; a data plane that reports one is refused instead."""
-    model = checkpoints["untied"]
-    link = f"tcp://127.0.0.1:{harness.free_port()}"
-    server = harness.controlplane(model, tmp_path, link)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(link)
+    model, link, server = control_plane
+    sock = dealer(link)
     try:
-        sock.send_multipart(rogue_hello(model))
-        assert sock.poll(10_000), "no Configure"
-        configure = framing.decode(sock.recv_multipart())
-        sock.send_multipart(framing.encode(link_pb2.LinkMessage(seq=2, epoch=configure.epoch,
-                                                                ready=ready)))
+        say_ready(sock, say_hello(sock, model), ready)
         kinds = set()
         while "reject" not in kinds and sock.poll(10_000):
             kinds.add(framing.decode(sock.recv_multipart()).WhichOneof("body"))
         assert "reject" in kinds and not server.client.is_serving()
         assert "does not fit its Hello" in server.log()  # not for its silence, 1.5 s on
-        # and the control plane lives on: the next data plane is configured
-        again = zmq.Context.instance().socket(zmq.DEALER)
-        again.setsockopt(zmq.LINGER, 0)
-        again.connect(link)
-        again.send_multipart(rogue_hello(model))
-        assert again.poll(10_000), server.log()
-        assert framing.decode(again.recv_multipart()).WhichOneof("body") == "configure"
+        again = dealer(link)
+        say_hello(again, model)  # the control plane lives on: the next data plane is configured
         again.close()
     finally:
         sock.close()
-        server.stop()
