@@ -133,34 +133,38 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The distribution a non-greedy row samples from: temperature, then top-k, top-p and min-p
-    truncation. Greedy rows (temperature 0) get temperature 1 here and are not sampled."""
+    """The distribution a non-greedy row samples from: temperature, then min-p, top-k and top-p
+    truncation (_truncate). Greedy rows (temperature 0) get temperature 1 here and are not
+    sampled."""
     is_greedy = batch.temperature == 0
     temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
     return torch.softmax(_truncate(logits / temperature.unsqueeze(1), batch), dim=-1)
 
 
 def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Mask tokens outside top-k, outside the top-p nucleus, or below min_p * max prob."""
-    vocab = logits.shape[-1]
-    use_top_k, use_top_p = batch.uses.top_k, batch.uses.top_p
-    if use_top_k or use_top_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if use_top_k:
-            k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
-            drop |= torch.arange(vocab, device=logits.device) >= k.unsqueeze(1)
-        if use_top_p:
-            probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs  # keeps the token that crosses top_p
-            drop |= mass_before >= batch.top_p.unsqueeze(1)
-        drop[:, 0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    """vLLM V1's truncation, in its order: tokens below min_p * the top probability go; then all
+    but the tokens at least as likely as the top_k-th (tokens tied with it stay); then the least
+    likely tokens whose mass is at most 1 - top_p, summed from the bottom (so that a row at
+    top_p 1 loses nothing, whatever its batch-mates ask: a sum from the top rounds to 1 before
+    the tail, which it cut)."""
     if batch.uses.min_p:
         probs = torch.softmax(logits, dim=-1)
         threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
-    return logits
+    if not (batch.uses.top_k or batch.uses.top_p):
+        return logits
+    vocab = logits.shape[-1]
+    ascending, order = logits.sort(dim=-1)  # [rows, vocab]
+    if batch.uses.top_k:
+        k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
+        kth = ascending.gather(1, (vocab - k).unsqueeze(1))  # [rows, 1]
+        ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    if batch.uses.top_p:
+        mass_up_to = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
+        drop = mass_up_to <= 1 - batch.top_p.unsqueeze(1)
+        drop[:, -1] = False  # the most likely token stays
+        ascending = ascending.masked_fill(drop, float("-inf"))
+    return ascending.scatter(1, order, ascending)
 
 
 _STEP_SEEDS = random.Random()  # unseeded rows: a fresh key per step

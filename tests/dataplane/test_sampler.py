@@ -41,20 +41,21 @@ def reference_penalties(logits, row, prompt, output):
 
 
 def reference_probs(logits, row):
-    """Temperature, then keep the top_k largest, then the smallest most-likely set whose mass
-    reaches top_p, then drop tokens below min_p * max prob."""
-    probs = torch.softmax(logits / row.get("temperature", 1.0), dim=-1)
-    keep = torch.ones(VOCAB, dtype=torch.bool)
-    order = probs.argsort(descending=True).tolist()
+    """vLLM V1's order: temperature; drop tokens below min_p * the top probability; keep every
+    token at least as likely as the top_k-th (ties stay); then keep the smallest most-likely set
+    whose mass reaches top_p."""
+    probs = torch.softmax(logits.double() / row.get("temperature", 1.0), dim=-1)
+    keep = probs >= row.get("min_p", 0.0) * probs.max()
     k = row.get("top_k", 0)
     if k > 0:
-        keep[order[k:]] = False
+        kept_values = probs[keep].sort(descending=True).values
+        keep &= probs >= kept_values[min(k, len(kept_values)) - 1]
     kept = probs * keep
     kept = kept / kept.sum()
     mass, nucleus = 0.0, []
-    for token in order:
+    for token in kept.argsort(descending=True).tolist():
         if not keep[token]:
-            continue
+            break
         nucleus.append(token)
         mass += float(kept[token])
         if mass >= row.get("top_p", 1.0):
@@ -62,10 +63,7 @@ def reference_probs(logits, row):
     keep[:] = False
     keep[nucleus] = True
     kept = probs * keep
-    kept = kept / kept.sum()
-    keep &= kept >= row.get("min_p", 0.0) * kept.max()
-    kept = probs * keep
-    return kept / kept.sum()
+    return (kept / kept.sum()).float()
 
 
 ROWS = [
@@ -83,6 +81,32 @@ def test_truncation_matches_reference():
     probs = sampling_probs(logits, make_batch(ROWS))
     for i, row in enumerate(ROWS):
         torch.testing.assert_close(probs[i], reference_probs(logits[i], row), atol=1e-6, rtol=1e-5)
+
+
+def test_min_p_cuts_before_top_p_as_in_vllm_v1():
+    """min_p first, then top-p over what it left: {.5, .3, .15, .05} with min_p 0.2 keeps
+    {.5, .3, .15}, whose top 0.82 of mass is {.5, .3} (top-p first kept .15 too)."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = sampling_probs(logits, make_batch([{"min_p": 0.2, "top_p": 0.82}]))
+    torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 2.0, 1.0]] * 2)
+    probs = sampling_probs(logits, make_batch([{"top_k": 1}, {"top_k": 2}]))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 1 / 3, 1 / 3, 1 / 3, 0.0]] * 2))
+
+
+def test_a_row_without_top_p_keeps_its_whole_distribution_beside_one_with_it():
+    """The batch runs top-p when any row uses it; a row at top_p 1 must lose nothing then (a
+    cumulative sum from the top rounded to 1 before the tail and cut it: a seeded row's tokens
+    changed with its batch-mates)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(1, 151_936, generator=g) * 2.5
+    logits[0, :20] += 12  # peaked, as a language model's are
+    alone = sampling_probs(logits, make_batch([{}]))
+    beside = sampling_probs(logits.expand(2, -1), make_batch([{}, {"top_p": 0.9}]))
+    assert bool((beside[0] > 0).all()) and torch.equal(beside[0], alone[0])
 
 
 @pytest.mark.parametrize("row", [
