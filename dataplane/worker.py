@@ -2,11 +2,13 @@
 the other ranks (raw protobuf bytes over the CPU group); every rank then runs the same step."""
 
 import collections
+import contextlib
 import logging
 import pathlib
 import queue
 import threading
 import time
+from collections.abc import Iterator
 
 import zmq
 from google.protobuf.message import DecodeError
@@ -39,6 +41,24 @@ class Liveness:
             return
         self._last = now
         self.path.touch()
+
+    @contextlib.contextmanager
+    def beating(self, interval_s: float = 1.0) -> Iterator[None]:
+        """A thread beats while the block runs: configure (kernel compiles, graph captures) can
+        keep the loop away for longer than the probe's --max-age; if it hangs, the control
+        plane's configure timeout drops this data plane."""
+        stop = threading.Event()
+
+        def run() -> None:
+            while not stop.wait(interval_s):
+                self.beat()
+        thread = threading.Thread(target=run, name="liveness", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
 
 def hello_for(runner: ModelRunner, model_info: ModelInfo) -> link_pb2.Hello:
@@ -83,9 +103,10 @@ class EpochState:
         return link_pb2.LinkMessage(epoch=message.epoch, step_result=result)
 
 
-def _configure(runner: ModelRunner, message: link_pb2.LinkMessage, state: EpochState
-               ) -> link_pb2.LinkMessage:
-    num_blocks = runner.configure(message.configure)
+def _configure(runner: ModelRunner, message: link_pb2.LinkMessage, state: EpochState,
+               liveness: Liveness) -> link_pb2.LinkMessage:
+    with liveness.beating():
+        num_blocks = runner.configure(message.configure)
     log.info("configured for epoch %d: %d KV blocks of %d tokens", message.epoch, num_blocks,
              runner.block_size)
     state.epoch, state.last_step_id = message.epoch, 0
@@ -179,7 +200,7 @@ class Rank0:
                 self._finish_oldest()
             self.early.clear()
             broadcast_bytes(payload)
-            self.link.send(_configure(self.runner, message, self.state))
+            self.link.send(_configure(self.runner, message, self.state, self.liveness))
         elif body == "step":
             self._on_step(payload, message)
         elif body == "reject":
@@ -268,6 +289,6 @@ def run_follower(runner: ModelRunner, liveness: Liveness) -> None:
             raise RuntimeError("rank 0 forwarded a malformed message") from None
         body = message.WhichOneof("body")
         if body == "configure":
-            _configure(runner, message, state)
+            _configure(runner, message, state, liveness)
         elif body == "step":
             runner.submit(message.step)

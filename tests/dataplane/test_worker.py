@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dataplane.worker import Liveness, Rank0
+from dataplane.worker import EpochState, Liveness, Rank0, _configure
 from protos import link_pb2
 
 
@@ -92,3 +92,23 @@ def test_rank0_wakes_when_the_device_finishes_a_step_not_at_a_poll_timeout():
     loop._finish_oldest()
     assert [m.step_result.step_id for m in loop.link.sent] == [1]
     loop.completions.close()
+
+
+def test_the_liveness_file_is_touched_while_configure_runs(tmp_path):
+    """Compiles and graph captures can keep the loop away for minutes: a probe's --max-age must
+    not count that as a hang."""
+    alive = tmp_path / "alive"
+
+    class SlowRunner:
+        block_size = 16
+
+        def configure(self, limits) -> int:  # returns once the file is touched meanwhile
+            for _ in range(1000):
+                if alive.exists():
+                    return 8
+                threading.Event().wait(0.01)
+            raise AssertionError("not touched while configuring")
+
+    message = link_pb2.LinkMessage(epoch=3, configure=link_pb2.Configure())
+    reply = _configure(SlowRunner(), message, EpochState(), Liveness(alive))
+    assert reply.ready.num_kv_blocks == 8
