@@ -10,7 +10,10 @@ vLLM (API server / engine core) and SGLang (tokenizer and detokenizer managers) 
 way.
 
 Health: readiness ("" and the Generation service) is what the engine last reported; liveness
-("liveness") is SERVING while the engine process is heard from (it reports every second).
+("liveness") is SERVING while the engine process is heard from (it reports every second). An
+engine silent for _ENGINE_GONE_S is hung: the calls in flight end UNAVAILABLE (their requests are
+cancelled, for when it wakes) and new ones are turned away until it is heard again, so no client
+waits forever on it.
 """
 
 import asyncio
@@ -32,6 +35,7 @@ from protos import frontend_pb2, generation_pb2
 log = logging.getLogger("splitserve.frontend")
 
 _ENGINE_SILENT_S = 5.0  # the engine reports every second; silent this long: not live
+_ENGINE_GONE_S = 10.0  # silent this long: hung, its calls end UNAVAILABLE
 _MESSAGES_PER_TURN = 16  # the reader yields to the RPC handlers after this many
 
 
@@ -50,12 +54,14 @@ class Frontend:
         self._sock: zmq.asyncio.Socket | None = None
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Queue] = {}
+        self._abandoned: set[int] = set()  # calls ended here, the engine silent
         self._last_heard = 0.0
         self._health: tuple[bool, bool] | None = None  # (serving, live) as last set
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> int:
         self._set_health(serving=False, live=False)
+        self._last_heard = time.monotonic()  # (the engine's first word takes up to a second)
         self._sock = unbounded_socket(zmq.DEALER)
         self._sock.connect(self.config.engine_address)
         self.server, self.port = await start_server(
@@ -109,6 +115,8 @@ class Frontend:
     async def _forward(self, name: str, request: bytes, context: grpc.aio.ServicerContext):
         """The call's serialized responses, in lists of what arrived while the last list was
         being written; its status at the end."""
+        if self._engine_gone():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _GONE)
         call_id = next(self._ids)
         replies: asyncio.Queue[frontend_pb2.Reply] = asyncio.Queue()
         self._calls[call_id] = replies
@@ -129,7 +137,8 @@ class Frontend:
                 await context.abort(_STATUS[reply.status_code], reply.details)
         finally:
             del self._calls[call_id]
-            if not ended:  # the client went away first
+            if not ended or call_id in self._abandoned:  # the client went away, or we did
+                self._abandoned.discard(call_id)
                 await self._send(frontend_pb2.ToEngine(cancel=frontend_pb2.Cancel(call_id=call_id)))
 
     async def _send(self, message: frontend_pb2.ToEngine) -> None:
@@ -168,8 +177,23 @@ class Frontend:
             await asyncio.sleep(1.0)
             if time.monotonic() - self._last_heard > _ENGINE_SILENT_S:
                 self._set_health(serving=False, live=False)
+            if self._engine_gone():
+                self._abandon_calls()
+
+    def _engine_gone(self) -> bool:
+        return time.monotonic() - self._last_heard > _ENGINE_GONE_S
+
+    def _abandon_calls(self) -> None:
+        for call_id, replies in self._calls.items():
+            if call_id not in self._abandoned:
+                self._abandoned.add(call_id)
+                replies.put_nowait(frontend_pb2.Reply(
+                    call_id=call_id, done=True, status_code=grpc.StatusCode.UNAVAILABLE.value[0],
+                    details=_GONE))
+
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
+_GONE = f"the server's engine process has not answered for {_ENGINE_GONE_S:.0f}s"
 
 
 def _merged(responses: list[bytes]) -> bytes:

@@ -161,6 +161,31 @@ def test_a_stalled_frontend_loses_no_token(model, tmp_path):
         server.stop()
 
 
+def test_a_hung_engine_ends_its_frontends_calls_unavailable(model, tmp_path):
+    """The engine process hangs without dying (SIGSTOP): after 10 s without a word from it the
+    front-end ends its calls UNAVAILABLE (streams without a deadline waited forever) and turns
+    new ones away; once the engine runs again, those calls' requests are gone (their blocks
+    freed) and it serves as before."""
+    server = harness.serve(model, tmp_path, "--num-kv-blocks", "512")
+    engine = server.processes[0].popen.pid
+    try:
+        flight = InFlight(server.client, max_tokens=None, min_chunks=1)
+        assert flight.started.wait(60)
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            assert [r[0] for r in flight.wait()] == ["UNAVAILABLE"] * len(PROMPTS)
+            with pytest.raises(grpc.RpcError) as error:
+                server.client.generate([1, 2], max_tokens=2, timeout=30)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        server.wait_serving()
+        assert server.wait_idle(30)
+        assert server.client.generate([1, 2], ignore_eos=True, max_tokens=2).completion_tokens == 2
+    finally:
+        server.stop()
+
+
 def test_kill_9_cycles_lose_nothing(model, expected, tmp_path):
     server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "512")
     figures = []
