@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -212,8 +213,10 @@ class ControlPlane:
         await self.link.close()
 
 
-async def run_until_signal(control_plane: ControlPlane) -> None:
-    """Serve until SIGTERM/SIGINT (then drain) or until the engine loop dies (then raise)."""
+async def run_until_signal(control_plane: ControlPlane, children: Sequence = ()) -> None:
+    """Serve until SIGTERM/SIGINT (then drain), or until the engine loop dies or the supervisor
+    of a child (a front-end, or one of `children`: serve's data plane) gives up restarting it
+    (then raise)."""
     await control_plane.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -221,17 +224,19 @@ async def run_until_signal(control_plane: ControlPlane) -> None:
         loop.add_signal_handler(sig, stop.set)
     waiter = asyncio.create_task(stop.wait())
     engine_task = control_plane.engine_task
-    # A front-end whose supervisor gave up restarting it: nobody can reach this server.
-    frontends = {frontend.task for frontend in control_plane.frontend_supervisors}
-    done, _ = await asyncio.wait({waiter, engine_task, *frontends},
+    # A child whose supervisor gave up restarting it: without a front-end nobody can reach this
+    # server, without its data plane it can serve nobody.
+    supervised = {s.task: s.name for s in [*control_plane.frontend_supervisors, *children]}
+    done, _ = await asyncio.wait({waiter, engine_task, *supervised},
                                  return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     if engine_task.done():
         await control_plane.stop()
         raise RuntimeError("the engine loop stopped") from engine_task.exception()
-    if done & frontends:
+    gave_up = [supervised[task] for task in done if task in supervised]
+    if gave_up:
         await control_plane.stop()
-        raise RuntimeError("a gRPC front-end keeps exiting; stopping")
+        raise RuntimeError(f"the {gave_up[0]} keeps exiting; stopping")
     _exit_if_stuck(control_plane.config.drain_timeout_s + 15)
     await control_plane.drain_and_stop()
 

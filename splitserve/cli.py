@@ -99,7 +99,7 @@ async def _serve(args: argparse.Namespace) -> None:
     try:
         # A data plane the control plane gave up on (hung, frozen) is killed and started again.
         await run_until_signal(ControlPlane(config, on_dataplane_lost=supervisor.restart,
-                                            spawn=_spawn))
+                                            spawn=_spawn), children=[supervisor])
     finally:
         logging.getLogger("splitserve.supervisor").info("stopping the data plane")
         await supervisor.stop()

@@ -1,0 +1,40 @@
+"""run_until_signal's ends other than a signal: the engine loop, or a supervised child given up."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from controlplane.server import run_until_signal
+
+
+def test_serve_stops_when_the_supervisor_of_its_data_plane_gives_up():
+    """A data plane that keeps exiting (a checkpoint it cannot load, a GPU it cannot get): the
+    supervisor stops restarting it, and the server stops too, with an error, instead of serving
+    UNAVAILABLE forever."""
+    async def main():
+        stopped = asyncio.Event()
+
+        async def start():
+            pass
+
+        async def stop():
+            stopped.set()
+
+        async def gives_up():
+            pass
+        engine = asyncio.create_task(asyncio.Event().wait())
+        frontend = SimpleNamespace(name="gRPC front-end",
+                                   task=asyncio.create_task(asyncio.Event().wait()))
+        control_plane = SimpleNamespace(start=start, stop=stop, engine_task=engine,
+                                        frontend_supervisors=[frontend])
+        dataplane = SimpleNamespace(name="data plane", task=asyncio.create_task(gives_up()))
+        try:
+            with pytest.raises(RuntimeError, match="the data plane keeps exiting"):
+                await run_until_signal(control_plane, children=[dataplane])
+        finally:
+            engine.cancel()
+            frontend.task.cancel()
+        return stopped.is_set()
+
+    assert asyncio.run(main())
