@@ -358,12 +358,13 @@ class Engine:
             token, may_stop=request.num_output_tokens > request.sampling.min_tokens)
         if stopped and not request.is_finished:
             self.scheduler.finish(request, FinishReason.STOP)
+        elif stopped:  # by its last token allowed, say, which also completed a stop string
+            request.stopped_by_its_last_token()
         if request.is_finished:
             if not stopped:
                 text += stream.detokenizer.flush()
             stream.add(token, text, logprobs)
-            # a stop string that completes on the last token allowed cut the text: STOP says so
-            self._end(stream, FinishReason.STOP if stopped else request.finish_reason)
+            self._end(stream, request.finish_reason)
         else:
             stream.add(token, text, logprobs)
 

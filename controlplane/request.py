@@ -100,6 +100,12 @@ class Request:
         self.finish_reason = reason
         self.slot = None
 
+    def stopped_by_its_last_token(self) -> None:
+        """Its last token, which ended it (length, EOS), also completed a stop string: that cut
+        the text, so the reason is STOP (as in vLLM)."""
+        assert self.status is RequestStatus.FINISHED, self.status
+        self.finish_reason = FinishReason.STOP
+
     def append_output(self, token_id: int) -> FinishReason | None:
         """Record a sampled token (one preempted while its step was in flight still gets it);
         returns why the request is done, if it is."""

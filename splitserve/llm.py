@@ -106,10 +106,23 @@ class LLM:
             self._task = asyncio.ensure_future(self.engine.run())
         await self.dataplane.attach()
         while not self.engine.accepting:
+            self._raise_if_stopped()
             await asyncio.sleep(0)
         streams = [self.engine.add_request(self._request(p, sampling))
                    for p, sampling in zip(prompts, samplings, strict=True)]
-        return await asyncio.gather(*(self._collect(s) for s in streams))
+        completions = asyncio.gather(*(self._collect(s) for s in streams))
+        # an engine loop that stops leaves its streams open: what stopped it is the answer
+        await asyncio.wait({completions, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if not completions.done():
+            completions.cancel()
+            await asyncio.gather(completions, return_exceptions=True)
+            self._raise_if_stopped()
+        return completions.result()
+
+    def _raise_if_stopped(self) -> None:
+        if self._task.done():
+            self._task.result()  # its exception, if it has one
+            raise RuntimeError("the engine loop stopped")
 
     def _request(self, prompt, sampling: dict) -> Request:
         proto = build_request(prompt, **sampling)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from common.wire import pack_i32
 from splitserve.llm import LLM
 from tests.reference import hf_greedy
 
@@ -19,3 +20,23 @@ def test_in_process_greedy_equals_transformers(checkpoints):
         llm.close()
     assert [c.token_ids for c in completions] == [hf_greedy(model, p, 10) for p in prompts]
     assert again[0].completion_tokens == 5 and again[0].finish_reason == "length"
+
+
+def test_an_engine_that_stops_fails_generate_instead_of_hanging_it(checkpoints):
+    """An answer that cannot be (a token outside the vocabulary) is a bug in the in-process data
+    plane: the engine loop stops, and generate raises what stopped it."""
+    llm = LLM(checkpoints["untied"], block_size=4, num_kv_blocks=64, max_num_seqs=4,
+              tune_gc=False)
+    execute = llm.dataplane.execute
+
+    async def answering_nonsense(step, epoch, timeout_s):
+        result = await execute(step, epoch, timeout_s)
+        if result.sampled_token_ids:
+            result.sampled_token_ids = pack_i32([10 ** 6])
+        return result
+    llm.dataplane.execute = answering_nonsense
+    try:
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            llm.generate([[1, 2, 3]], max_tokens=3)
+    finally:
+        llm.close()
