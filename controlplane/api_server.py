@@ -57,7 +57,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         capacity = info.num_kv_blocks * info.block_size if info else self.max_model_len
         return Limits(max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
                       max_total_tokens=min(capacity, self.max_model_len),
-                      max_logprobs=min(self.max_logprobs, self.model.vocab_size))
+                      max_logprobs=self.max_logprobs)
 
     async def _prompt(self, request: generation_pb2.GenerateRequest, limits: Limits) -> list[int]:
         which = request.WhichOneof("input")

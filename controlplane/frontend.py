@@ -175,13 +175,16 @@ class Frontend:
         while True:
             await self._send(hello)
             await asyncio.sleep(1.0)
-            if time.monotonic() - self._last_heard > _ENGINE_SILENT_S:
+            if self._engine_silent_for() > _ENGINE_SILENT_S:
                 self._set_health(serving=False, live=False)
             if self._engine_gone():
                 self._abandon_calls()
 
+    def _engine_silent_for(self) -> float:
+        return time.monotonic() - self._last_heard
+
     def _engine_gone(self) -> bool:
-        return time.monotonic() - self._last_heard > _ENGINE_GONE_S
+        return self._engine_silent_for() > _ENGINE_GONE_S
 
     def _abandon_calls(self) -> None:
         for call_id, replies in self._calls.items():

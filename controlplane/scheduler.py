@@ -210,8 +210,9 @@ class Scheduler:
             if not s.samples:
                 continue
             produced.append((request, index))
-            request.is_suspect = False  # it got a token through
-            request.num_solo_failures = 0  # a culprit fails alone again and again, not now and then
+            if request.is_suspect:  # it got a token through: its failures alone are forgiven
+                request.is_suspect = False
+                request.num_solo_failures = 0
             reason = request.append_output(sampled_token_ids[index])
             if reason is not None:
                 self.finish(request, reason)

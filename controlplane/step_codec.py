@@ -76,10 +76,12 @@ def decode_result(result: link_pb2.StepResult, out: SchedulerOutput, vocab_size:
             f"step {result.step_id}'s result has {len(tokens)} tokens, {len(sampled)} logprobs "
             f"and {len(top_ids)}/{len(top_values)} top ids/logprobs for {len(wanted)} sampling "
             f"requests, {num_sampled} of them asking for {num_top} top logprobs")
-    if not all(0 <= t < vocab_size for t in tokens):
+    if tokens and not (min(tokens) >= 0 and max(tokens) < vocab_size):
         raise MalformedResult(f"step {result.step_id}'s result has a token outside the "
                               f"vocabulary [0, {vocab_size}): {tokens}"[:300])
     logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+    if not num_sampled:
+        return tokens, logprobs
     offset = 0
     wanting = iter(sampled)
     for i, n in enumerate(wanted):

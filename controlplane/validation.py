@@ -83,8 +83,9 @@ def sampling_params(proto: generation_pb2.SamplingParams, num_prompt_tokens: int
     _require(min_tokens <= max_tokens, "sampling.min_tokens",
              f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})")
     logprobs = p.logprobs if p.HasField("logprobs") else None
-    _require(logprobs is None or logprobs <= limits.max_logprobs, "sampling.logprobs",
-             f"at most {limits.max_logprobs}, got {logprobs}")
+    max_logprobs = min(limits.max_logprobs, limits.vocab_size)  # (the sampler's top-N)
+    _require(logprobs is None or logprobs <= max_logprobs, "sampling.logprobs",
+             f"at most {max_logprobs}, got {logprobs}")
     _check_stops(p, limits)
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
