@@ -198,6 +198,7 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     llm = LLM(model_dir, device="cuda", load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, prompt_graphs=not args.no_prompt_graphs,
+              pdl=not args.no_pdl,
               attention_backend=args.attention_backend,
               gpu_memory_utilization=args.gpu_memory_utilization)
     llm.generate(*warm_up(prompts), ignore_eos=True)
@@ -233,7 +234,8 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
         "--max-waiting-requests", "4096", "--step-timeout", "600",
         "--stream-interval", str(args.stream_interval), "--frontends", str(args.frontends),
         *(["--enforce-eager"] if args.enforce_eager else []),
-        *(["--no-prompt-graphs"] if args.no_prompt_graphs else [])]
+        *(["--no-prompt-graphs"] if args.no_prompt_graphs else []),
+        *(["--no-pdl"] if args.no_pdl else [])]
     with serve(serve_args, args.out_dir / f"serve-{args.model}.log") as address:
         warm_prompts, warm_sampling = warm_up(prompts)
 
@@ -276,6 +278,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prompt-graphs", action="store_true",
                         help="steps with prompt tokens eagerly (serve's --no-prompt-graphs)")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="kernels without programmatic dependent launch (serve's --no-pdl)")
     parser.add_argument("--tp", type=int, default=1, help="split mode only")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="split mode only: serve's --stream-interval (tokens per message)")
@@ -318,6 +322,7 @@ def main() -> None:
 def _save(args, mode: str, result: dict) -> None:
     suffix = f"-si{args.stream_interval}" if mode == "split" and args.stream_interval != 1 else ""
     suffix += f"-fe{args.frontends}" if mode == "split" and args.frontends != 1 else ""
+    suffix += "-nopdl" if args.no_pdl else ""
     name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 

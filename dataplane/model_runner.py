@@ -39,6 +39,7 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the data plane may hold
     enforce_eager: bool = False  # no CUDA graphs
     prompt_graphs: bool = True  # steps with prompt tokens as piecewise graphs (cuda_graphs.py)
+    pdl: bool = True  # programmatic dependent launch of our kernels (Hopper+; kernels/pdl.py)
     load_format: str = "safetensors"  # or "dummy": random weights (benchmarks)
 
     def __post_init__(self) -> None:
@@ -93,6 +94,8 @@ class ModelRunner:
             # The host-side tensors of a step are tiny; a thread pool only adds wake-up costs
             # (measured on a 32-core host: 3 ms per repeat_interleave, most of a step's time).
             torch.set_num_threads(1)
+            from dataplane.kernels import pdl  # triton: the CUDA path only
+            pdl.set_enabled(config.pdl)
         hf_config = load_config(config.model_dir)
         dtype = resolve_dtype(config.dtype, hf_config)
         device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" \

@@ -82,6 +82,8 @@ def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str)
         argv.append("--enforce-eager")
     if args.no_prompt_graphs:
         argv.append("--no-prompt-graphs")
+    if args.no_pdl:
+        argv.append("--no-pdl")
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     return argv
@@ -128,7 +130,8 @@ def _dataplane(args: argparse.Namespace, argv: list[str]) -> None:
                           num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.kv_cache_gib,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enforce_eager=args.enforce_eager,
-                          prompt_graphs=not args.no_prompt_graphs, load_format=args.load_format)
+                          prompt_graphs=not args.no_prompt_graphs, pdl=not args.no_pdl,
+                          load_format=args.load_format)
     config = DataPlaneConfig(runner=runner, controlplane_address=args.controlplane_address,
                              tp=args.tp, rank=args.rank, dist_init_method=args.dist_init_method,
                              parent_pid=args.parent_pid, liveness_file=args.liveness_file,

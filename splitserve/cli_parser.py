@@ -100,6 +100,10 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                         "steps with prompt tokens piecewise ones, up to 2048 tokens a step)")
     p.add_argument("--no-prompt-graphs", action="store_true",
                    help="run steps that carry prompt tokens eagerly (decode steps keep theirs)")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch the Triton kernels without programmatic dependent launch (on by "
+                        "default on Hopper and later: a kernel starts while the one before it "
+                        "finishes, fetching its weights, and waits on the device for its inputs)")
     p.add_argument("--load-format", choices=("safetensors", "dummy"), default="safetensors",
                    help="dummy: random weights instead of the checkpoint's (benchmarks; the "
                         "model directory then needs only config.json and tokenizer.json)")

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from dataplane.kernels.paged_inputs import check_paged_attention_inputs
+from dataplane.kernels.pdl import launch_options, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 MAX_PROGRAMS_PER_SM = 8  # bounds the partial-output scratch a plan allocates
@@ -215,8 +216,9 @@ def _decode_kernel(
     stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TRACE: tl.constexpr,
+    TRACE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     kv_head = tl.program_id(0)
     prog = tl.program_id(1)
     num_progs = tl.num_programs(1)
@@ -409,7 +411,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     constexprs = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size,
                       TILE_PAGES=max(1, plan.block_n // block_size),
-                      TRACE=trace is not None,
+                      TRACE=trace is not None, **launch_options(q.device),
                       **(_config(q.dtype, head_dim) | (config or {}) | dict(BLOCK_N=plan.block_n)))
     if plan.num_programs is None:  # once a plan: the layers after the first reuse it
         plan.num_programs = _programs_per_head(q.device, num_kv_heads, plan.max_programs, args,

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dataplane.kernels.pdl import launch_options, wait_for_inputs
+
 
 @triton.jit
 def _norm_rotate_heads(x_row, out_row, weight_ptr, stride_head, stride_out_head, num_heads,
@@ -43,8 +45,9 @@ def _qk_norm_rope_store_kernel(
     stride_v_tok, stride_v_head, stride_q_out_tok,
     stride_cache_block, stride_cache_tok, stride_cache_head, stride_cos_sin_pos,
     HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF)
@@ -105,6 +108,7 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
         HALF=head_dim // 2, BLOCK_Q_HEADS=triton.next_power_of_2(num_heads),
         BLOCK_K_HEADS=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=block_size, num_warps=4,
+        **launch_options(q.device),
     )
     return q_out
 

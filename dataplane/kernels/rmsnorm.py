@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dataplane.kernels.pdl import launch_options, wait_for_inputs
+
 
 # num_cols (the hidden size, one value per model) stays specialized: knowing it divides by 16
 # lets the column mask allow 16-byte loads; unspecialized, every load was 2 bytes and a
@@ -19,8 +21,9 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, out_ptr, weight_ptr,
     num_rows, num_cols, eps, stride_x_row, stride_res_row, stride_out_row,
     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-    PARTS: tl.constexpr,
+    PARTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
@@ -60,7 +63,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
         x.stride(-2), residual.stride(0) if residual is not None else 0, out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
         PARTS=parts,
-        num_warps=min(16, max(4, block_rows * block_cols // 512)),
+        num_warps=min(16, max(4, block_rows * block_cols // 512)), **launch_options(x.device),
     )
 
 

@@ -8,10 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
+from dataplane.kernels.pdl import launch_options, wait_for_inputs
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x_tok, stride_out_tok,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -33,7 +36,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(1024, triton.next_power_of_2(width))  # 3072 and 12288 split evenly
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
-        x, out, width, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        x, out, width, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        **launch_options(x.device))
     return out
 
 

@@ -16,15 +16,23 @@ import torch
 import triton
 import triton.language as tl
 
+from dataplane.kernels.pdl import (LINE, launch_options, lines_pow2, prefetch_rows,
+                                   wait_for_inputs)
+
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _splitk_kernel(
     x_ptr, w_ptr, part_ptr, num_rows, stride_x_row, stride_w_row,
     N: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, ELEMS_PER_LINE: tl.constexpr,
+    NUM_LINES_POW2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     col_tile = tl.program_id(0)
     split = tl.program_id(1)
+    if USE_PDL:  # the weights are no kernel's output: fetch them while the one before runs
+        prefetch_rows(w_ptr, col_tile * BLOCK_N + tl.arange(0, BLOCK_N), stride_w_row,
+                      split * K_SPLIT, K_SPLIT, ELEMS_PER_LINE, NUM_LINES_POW2)
+    wait_for_inputs(USE_PDL)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
@@ -89,7 +97,9 @@ def splitk_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = None,
         return out
     grid = (n // cfg["BLOCK_N"], splits, triton.cdiv(num_rows, cfg["BLOCK_M"]))
     _splitk_kernel[grid](x, w, out, num_rows, x.stride(0), w.stride(0), N=n, K_SPLIT=k // splits,
-                         **cfg)
+                         ELEMS_PER_LINE=LINE // w.element_size(),
+                         NUM_LINES_POW2=lines_pow2(k // splits, LINE // w.element_size()), **cfg,
+                         **launch_options(x.device))
     return out
 
 

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dataplane.distributed import all_reduce, tp_rank, tp_size
+from dataplane.layers.activation import SiluAndMul
+
+_silu_and_mul = SiluAndMul()
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -49,6 +52,19 @@ class ReplicatedLinear(_Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def _decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   gated: bool) -> torch.Tensor | None:
+    """The decode GEMM's output where it pays (a CUDA batch of decode size, no bias), else
+    None (kernels/decode_matmul.py: cuBLAS's floor there is ~2x the weights' bytes)."""
+    if not x.is_cuda or bias is not None or x.dim() != 2:
+        return None
+    from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays
+    n, k = weight.shape
+    if not decode_matmul_pays(x.shape[0], n // 2 if gated else n, k, x.dtype, gated):
+        return None
+    return decode_matmul(x, weight, gated=gated)
+
+
 class ColumnParallelLinear(_Linear):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, _divide(output_size, tp_size()), bias)
@@ -58,7 +74,8 @@ class ColumnParallelLinear(_Linear):
         param.data.copy_(_rows(loaded, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = _decode_matmul(x, self.weight, self.bias, gated=False)
+        return y if y is not None else F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -72,6 +89,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // tp_size()
         size = self.output_sizes[shard_id] // tp_size()
         param.data.narrow(0, offset, size).copy_(_rows(loaded, tp_rank() * size, size))
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate | up] projection: [num_tokens, output_sizes[0] / tp].
+        At decode sizes on CUDA the activation is the GEMM's epilogue; else a kernel after it."""
+        assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
+        y = _decode_matmul(x, self.weight, self.bias, gated=True)
+        return y if y is not None else _silu_and_mul(F.linear(x, self.weight, self.bias))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

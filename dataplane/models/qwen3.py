@@ -13,7 +13,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from dataplane.distributed import tp_size
-from dataplane.layers.activation import SiluAndMul
 from dataplane.layers.attention import Attention
 from dataplane.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from dataplane.layers.layernorm import RMSNorm
@@ -73,10 +72,9 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, feeds_norm=True)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))  # [T, intermediate / tp] between
 
 
 class Qwen3DecoderLayer(nn.Module):

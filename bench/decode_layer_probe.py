@@ -1,0 +1,173 @@
+"""Does a decode layer whose kernels are all ours, launched with programmatic dependent launch,
+beat the one with cuBLAS's qkv_proj and gate_up_proj? Qwen3-0.6B shapes, CUDA graphs of 28
+layers with distinct weights (as a step meets them), per batch size:
+
+1. decode_matmul (qkv_proj; gate_up_proj with SiLU-and-mul in its epilogue) for each tile
+   config, alone in a graph of 28 launches, against cuBLAS (+ silu_and_mul);
+2. the whole layer (residual add + RMSNorm, qkv, q/k norm + RoPE + K/V store, decode attention
+   over 128-key contexts, o_proj, RMSNorm, gate_up + SiLU, down_proj) with cuBLAS or
+   decode_matmul at its best config, each with and without PDL.
+
+Microseconds a layer. `python3 bench/decode_layer_probe.py $OUT/decode_layer.json`
+(PYTHONPATH: the repo and bench/).
+"""
+
+import itertools
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import run_info
+from kernels import graph_us
+
+from dataplane.kernels import pdl
+from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_ref
+from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
+from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
+from dataplane.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_parts
+from dataplane.kernels.silu_and_mul import silu_and_mul
+from dataplane.kernels.splitk_matmul import splitk_matmul, splitk_pays
+
+LAYERS = 28
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1024, 16, 8, 128, 3072
+CONTEXT, BLOCK_SIZE = 128, 16
+ROWS = [1, 8, 32, 64, 128, 256]
+DTYPE = torch.bfloat16
+CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=s)
+           for m, n, k, s in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (3, 4))]
+
+
+def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device="cuda") * scale).to(DTYPE)
+
+
+class Layers:
+    """28 layers' weights and one batch's activations, KV cache and attention plan."""
+
+    def __init__(self, rows: int) -> None:
+        qkv_n = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+        self.qkv = [randn(qkv_n, HIDDEN, scale=HIDDEN ** -0.5) for _ in range(LAYERS)]
+        self.o = [randn(HIDDEN, HEADS * HEAD_DIM, scale=2048 ** -0.5) for _ in range(LAYERS)]
+        self.gate_up = [randn(2 * INTERMEDIATE, HIDDEN, scale=HIDDEN ** -0.5)
+                        for _ in range(LAYERS)]
+        self.down = [randn(HIDDEN, INTERMEDIATE, scale=INTERMEDIATE ** -0.5)
+                     for _ in range(LAYERS)]
+        self.norm = torch.ones(HIDDEN, device="cuda", dtype=DTYPE)
+        self.head_norm = torch.ones(HEAD_DIM, device="cuda", dtype=DTYPE)
+        self.rows = rows
+        self.x = randn(rows, HIDDEN)
+        self.residual = randn(rows, HIDDEN)
+        blocks = CONTEXT // BLOCK_SIZE
+        self.k_cache = randn(rows * blocks + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.v_cache = randn(rows * blocks + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.block_tables = torch.arange(rows * blocks, device="cuda", dtype=torch.int32
+                                         ).view(rows, blocks)
+        self.seq_lens = torch.full((rows,), CONTEXT, device="cuda", dtype=torch.int32)
+        self.positions = torch.full((rows,), CONTEXT - 1, device="cuda", dtype=torch.int64)
+        self.slots = (self.block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)
+        self.cos_sin = torch.randn(CONTEXT, HEAD_DIM, device="cuda")
+        self.q_like = torch.empty(rows, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+
+    def step(self, ours: dict | None) -> None:
+        """One step's 28 layers; ours: the decode_matmul configs (qkv, gate_up), or None for
+        cuBLAS."""
+        plan = plan_decode(self.q_like, self.k_cache, self.block_tables, self.seq_lens)
+        hidden, residual = self.x, self.residual.clone()
+        for i in range(LAYERS):
+            hidden, residual = norm(hidden, residual, self.norm)
+            if ours:
+                qkv = decode_matmul(hidden, self.qkv[i], config=ours["qkv"])
+            else:
+                qkv = F.linear(hidden, self.qkv[i])
+            q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+            q = qk_norm_rope_store(
+                self.positions, q.view(-1, HEADS, HEAD_DIM), k.view(-1, KV_HEADS, HEAD_DIM),
+                v.view(-1, KV_HEADS, HEAD_DIM), self.head_norm, self.head_norm, 1e-6,
+                self.cos_sin, self.k_cache, self.v_cache, self.slots)
+            attn = paged_decode_attention(q, self.k_cache, self.v_cache, self.block_tables,
+                                          self.seq_lens, HEAD_DIM ** -0.5, plan=plan)
+            hidden = row_parallel(attn.flatten(1), self.o[i])
+            hidden, residual = norm(hidden, residual, self.norm)
+            if ours:
+                act = decode_matmul(hidden, self.gate_up[i], gated=True, config=ours["gate_up"])
+            else:
+                act = silu_and_mul(F.linear(hidden, self.gate_up[i]))
+            hidden = row_parallel(act, self.down[i])
+        norm(hidden, residual, self.norm)
+
+
+def row_parallel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What RowParallelLinear(feeds_norm=True) runs on one GPU."""
+    return splitk_matmul(x, w) if splitk_pays(x.shape[0], *w.shape, x.dtype) else F.linear(x, w)
+
+
+def norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
+    if x.dim() == 3:
+        return fused_add_rms_norm_parts(x, residual, weight, 1e-6)
+    return fused_add_rms_norm(x, residual, weight, 1e-6)  # x: a GEMM's new output, or the
+    # step's input (overwritten: only the timing matters)
+
+
+def gemm_alone(layers: Layers, name: str) -> dict:
+    """qkv_proj or gate_up_proj (+ SiLU) alone: cuBLAS, then each config, with PDL."""
+    weights = layers.qkv if name == "qkv" else layers.gate_up
+    gated = name == "gate_up"
+    x = layers.x
+
+    def cublas():
+        for w in weights:
+            y = F.linear(x, w)
+            if gated:
+                silu_and_mul(y)
+
+    result = dict(cublas_us=graph_us(cublas) / LAYERS, configs=[])
+    expected = decode_matmul_ref(x, weights[0], gated)
+    for cfg in CONFIGS:
+        if cfg["BLOCK_M"] > max(16, 2 * layers.rows):
+            continue
+        try:
+            us = graph_us(lambda: [decode_matmul(x, w, gated=gated, config=cfg)
+                                   for w in weights]) / LAYERS
+            error = (decode_matmul(x, weights[0], gated=gated, config=cfg).float()
+                     - expected.float()).abs().max().item()
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
+            result["configs"].append(dict(cfg, error=f"{type(e).__name__}: {e}"[:200]))
+            continue
+        result["configs"].append(dict(cfg, us=us, max_abs_diff=error))
+    ok = [c for c in result["configs"] if "us" in c]
+    result["best"] = min(ok, key=lambda c: c["us"])
+    return result
+
+
+def strip(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in ("us", "max_abs_diff")}
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(), shapes=[])
+    for rows in ROWS:
+        layers = Layers(rows)
+        pdl.set_enabled(True)
+        alone = {name: gemm_alone(layers, name) for name in ("qkv", "gate_up")}
+        ours = {name: strip(alone[name]["best"]) for name in alone}
+        chain = {}
+        for use_pdl, mine in itertools.product((False, True), (False, True)):
+            pdl.set_enabled(use_pdl)
+            key = ("ours" if mine else "cublas") + ("_pdl" if use_pdl else "")
+            chain[key] = graph_us(lambda: layers.step(ours if mine else None)) / LAYERS
+        pdl.set_enabled(True)
+        report["shapes"].append(dict(rows=rows, alone=alone, layer_us=chain))
+        print(f"{rows:3d} rows: qkv cuBLAS {alone['qkv']['cublas_us']:.2f} us, ours "
+              f"{alone['qkv']['best']['us']:.2f} {ours['qkv']}; gate_up+SiLU cuBLAS "
+              f"{alone['gate_up']['cublas_us']:.2f}, ours {alone['gate_up']['best']['us']:.2f} "
+              f"{ours['gate_up']}", flush=True)
+        print("    layer us: " + ", ".join(f"{k} {v:.2f}" for k, v in chain.items()), flush=True)
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

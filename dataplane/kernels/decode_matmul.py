@@ -1,0 +1,124 @@
+"""y = x @ w.T for the few rows of a decode step, for the column-parallel layers (qkv_proj,
+gate_up_proj), optionally with SiLU-and-mul in the epilogue: out = silu(x @ gate.T) * (x @ up.T)
+over the merged [gate | up] weights, so the MLP's activation is not a launch of its own.
+
+Why: at decode batch sizes cuBLAS spends 5-6 us on Qwen3-0.6B's qkv_proj (8 MB of weights, 2 us
+at the copy bandwidth) and gate_up_proj (12.6 MB, 3 us) (bench/results/h200/gemm.json), and
+every kernel between two of ours is one that programmatic dependent launch cannot overlap
+(dataplane/kernels/pdl.py). Here each program owns a BLOCK_N strip of output columns for a
+BLOCK_M tile of rows and streams the strip's weights once; with PDL it asks the L2 for the
+strip before it waits for x, so the weights' latency passes while the kernel before it runs.
+
+As in splitk_matmul.py the weight tile is the dot's left operand ([BLOCK_N, BLOCK_K] @
+[BLOCK_K, BLOCK_M]): output columns fill the tensor core's wide side, the few rows its narrow
+one. Rounding follows what it replaces: cuBLAS rounds its float32 sums to the dtype; the gated
+epilogue then computes silu_and_mul.py's float32 silu of the rounded gate, rounds it, multiplies
+by the rounded up and rounds again.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from dataplane.kernels.pdl import (LINE, launch_options, lines_pow2, prefetch_rows,
+                                   wait_for_inputs)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _decode_matmul_kernel(
+    x_ptr, w_ptr, out_ptr, num_rows, stride_x_row, stride_out_row,
+    K: tl.constexpr, UP_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, ELEMS_PER_LINE: tl.constexpr,
+    NUM_LINES_POW2: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    gated = UP_OFFSET > 0  # UP_OFFSET: the up rows' first row in w (gate's are the first)
+    if USE_PDL:  # the weights are no kernel's output: fetch them while the one before runs
+        if tl.program_id(1) == 0:
+            prefetch_rows(w_ptr, cols, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
+            if gated:
+                prefetch_rows(w_ptr, cols + UP_OFFSET, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
+    wait_for_inputs(USE_PDL)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_rows
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + rows[None, :].to(tl.int64) * stride_x_row + ks[:, None]  # [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs + k, mask=row_mask[None, :], other=0.0)
+        acc = tl.dot(tl.load(w_ptrs + k), x, acc, input_precision=DOT_PRECISION)
+        if gated:
+            acc_up = tl.dot(tl.load(w_ptrs + UP_OFFSET * K + k), x, acc_up,
+                            input_precision=DOT_PRECISION)
+    dtype = out_ptr.dtype.element_ty
+    if gated:
+        gate = acc.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = silu * acc_up.to(dtype).to(tl.float32)
+    dst = out_ptr + rows[None, :].to(tl.int64) * stride_out_row + cols[:, None]
+    tl.store(dst, acc.to(dtype), mask=row_mask[None, :])
+
+
+# Bounds and tiles: bench/decode_layer_probe.py's choice on the H200 (see decode_matmul_pays).
+MAX_ROWS = 128
+MAX_K = 1024  # Qwen3-0.6B's hidden size; wider inputs keep cuBLAS (not measured)
+_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32", num_warps=4,
+               num_stages=3)
+_GATED_CONFIG = dict(_CONFIG, BLOCK_N=32)  # half the columns a program: twice the programs
+# float32 (tests): exact dots, tiles small enough for the tiny checkpoints
+_FLOAT32_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, DOT_PRECISION="ieee", num_warps=4,
+                       num_stages=2)
+
+
+def decode_matmul_config(dtype: torch.dtype, gated: bool) -> dict:
+    """The kernel settings for this dtype (shared: copy before changing)."""
+    if dtype == torch.float32:
+        return _FLOAT32_CONFIG
+    return _GATED_CONFIG if gated else _CONFIG
+
+
+def decode_matmul_pays(num_rows: int, n: int, k: int, dtype: torch.dtype, gated: bool) -> bool:
+    """Whether decode_matmul beats cuBLAS (and a separate SiLU-and-mul) for this GEMM and its
+    tiles divide the shape. n: the output's width (for gated: the width of gate alone). Float32
+    takes it on the same bounds, untimed, so the float32 GPU tests against transformers run it."""
+    cfg = decode_matmul_config(dtype, gated)
+    return (0 < num_rows <= MAX_ROWS and k <= MAX_K and n % cfg["BLOCK_N"] == 0
+            and k % cfg["BLOCK_K"] == 0)
+
+
+def decode_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
+                  config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [num_rows, K] (rows may be strided), w: [N, K] contiguous, the same dtype. Returns
+    x @ w.T [num_rows, N], or with gated silu(x @ w[:N/2].T) * (x @ w[N/2:].T) [num_rows, N/2].
+    config: over decode_matmul_config's choice (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+    num_stages)."""
+    num_rows, k = x.shape
+    n = w.shape[0]
+    assert w.shape == (n, k) and w.is_contiguous() and x.stride(1) == 1 and x.dtype == w.dtype
+    width = n // 2 if gated else n
+    assert not gated or n % 2 == 0
+    cfg = decode_matmul_config(x.dtype, gated) | (config or {})
+    assert k % cfg["BLOCK_K"] == 0 and width % cfg["BLOCK_N"] == 0, (k, width, cfg)
+    if out is None:
+        out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)
+    assert out.shape == (num_rows, width) and out.dtype == x.dtype and out.stride(1) == 1
+    if num_rows == 0:
+        return out
+    per_line = LINE // w.element_size()
+    grid = (width // cfg["BLOCK_N"], triton.cdiv(num_rows, cfg["BLOCK_M"]))
+    _decode_matmul_kernel[grid](
+        x, w, out, num_rows, x.stride(0), out.stride(0), K=k, UP_OFFSET=width if gated else 0,
+        ELEMS_PER_LINE=per_line, NUM_LINES_POW2=lines_pow2(k, per_line), **cfg,
+        **launch_options(x.device))
+    return out
+
+
+def decode_matmul_ref(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """What the layers run otherwise: the GEMM (cuBLAS on CUDA), then SiLU-and-mul if gated."""
+    y = torch.nn.functional.linear(x, w)
+    if not gated:
+        return y
+    gate, up = y.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate.float()).to(y.dtype).float() * up.float()).to(y.dtype)
