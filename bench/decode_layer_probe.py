@@ -6,7 +6,10 @@ layers with distinct weights (as a step meets them), per batch size:
    config, alone in a graph of 28 launches, against cuBLAS (+ silu_and_mul);
 2. the whole layer (residual add + RMSNorm, qkv, q/k norm + RoPE + K/V store, decode attention
    over 128-key contexts, o_proj, RMSNorm, gate_up + SiLU, down_proj) with cuBLAS or
-   decode_matmul at its best config, each with and without PDL.
+   decode_matmul at its best config, each with and without PDL;
+3. at 160 and 256 rows of 640-key contexts (workload A's large batches): the layer as it runs
+   (cuBLAS, no PDL above pdl.MAX_ROWS), with PDL at every launch, and with PDL and the split-K
+   o_proj / down_proj (splitk_matmul.MAX_ROWS lifted).
 
 Microseconds a layer. `python3 bench/decode_layer_probe.py $OUT/decode_layer.json`
 (PYTHONPATH: the repo and bench/).
@@ -32,8 +35,9 @@ from dataplane.kernels.splitk_matmul import splitk_matmul, splitk_pays
 
 LAYERS = 28
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1024, 16, 8, 128, 3072
-CONTEXT, BLOCK_SIZE = 128, 16
-ROWS = [1, 8, 32, 64, 128, 256]
+BLOCK_SIZE = 16
+ROWS = [8, 32]  # 128-key contexts (865485f: 1, 8, 32, 64, 128, 256)
+LONG = [(160, 640), (256, 640)]  # (rows, keys)
 DTYPE = torch.bfloat16
 CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=3)
            for n, k in itertools.product((32, 64, 128), (64, 128))]  # BLOCK_M: by the rows
@@ -46,7 +50,7 @@ def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
 class Layers:
     """28 layers' weights and one batch's activations, KV cache and attention plan."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, context: int = 128) -> None:
         qkv_n = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         self.qkv = [randn(qkv_n, HIDDEN, scale=HIDDEN ** -0.5) for _ in range(LAYERS)]
         self.o = [randn(HIDDEN, HEADS * HEAD_DIM, scale=2048 ** -0.5) for _ in range(LAYERS)]
@@ -59,15 +63,16 @@ class Layers:
         self.rows = rows
         self.x = randn(rows, HIDDEN)
         self.residual = randn(rows, HIDDEN)
-        blocks = CONTEXT // BLOCK_SIZE
+        blocks = context // BLOCK_SIZE
         self.k_cache = randn(rows * blocks + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
         self.v_cache = randn(rows * blocks + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
         self.block_tables = torch.arange(rows * blocks, device="cuda", dtype=torch.int32
                                          ).view(rows, blocks)
-        self.seq_lens = torch.full((rows,), CONTEXT, device="cuda", dtype=torch.int32)
-        self.positions = torch.full((rows,), CONTEXT - 1, device="cuda", dtype=torch.int64)
+        self.seq_lens = torch.full((rows,), context, device="cuda", dtype=torch.int32)
+        self.positions = torch.full((rows,), context - 1, device="cuda", dtype=torch.int64)
+        self.splitk = False  # split-K row-parallel layers at any batch size
         self.slots = (self.block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)
-        self.cos_sin = torch.randn(CONTEXT, HEAD_DIM, device="cuda")
+        self.cos_sin = torch.randn(context, HEAD_DIM, device="cuda")
         self.q_like = torch.empty(rows, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
 
     def step(self, ours: dict | None) -> None:
@@ -88,19 +93,22 @@ class Layers:
                 self.cos_sin, self.k_cache, self.v_cache, self.slots)
             attn = paged_decode_attention(q, self.k_cache, self.v_cache, self.block_tables,
                                           self.seq_lens, HEAD_DIM ** -0.5, plan=plan)
-            hidden = row_parallel(attn.flatten(1), self.o[i])
+            hidden = row_parallel(attn.flatten(1), self.o[i], self.splitk)
             hidden, residual = norm(hidden, residual, self.norm)
             if ours:
                 act = decode_matmul(hidden, self.gate_up[i], gated=True, config=ours["gate_up"])
             else:
                 act = silu_and_mul(F.linear(hidden, self.gate_up[i]))
-            hidden = row_parallel(act, self.down[i])
+            hidden = row_parallel(act, self.down[i], self.splitk)
         norm(hidden, residual, self.norm)
 
 
-def row_parallel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What RowParallelLinear(feeds_norm=True) runs on one GPU."""
-    return splitk_matmul(x, w) if splitk_pays(x.shape[0], *w.shape, x.dtype) else F.linear(x, w)
+def row_parallel(x: torch.Tensor, w: torch.Tensor, splitk: bool) -> torch.Tensor:
+    """What RowParallelLinear(feeds_norm=True) runs on one GPU (splitk: split-K whatever the
+    batch size)."""
+    if splitk or splitk_pays(x.shape[0], *w.shape, x.dtype):
+        return splitk_matmul(x, w)
+    return F.linear(x, w)
 
 
 def norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
@@ -166,6 +174,26 @@ def main() -> None:
         print("    layer us: " + ", ".join(f"{k} {v:.2f}" for k, v in chain.items()), flush=True)
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
+    for rows, context in LONG:
+        report["shapes"].append(dict(rows=rows, context=context, layer_us=long_layer(rows, context)))
+        print(f"{rows:3d} rows of {context} keys, layer us: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in report["shapes"][-1]["layer_us"].items()), flush=True)
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def long_layer(rows: int, context: int) -> dict:
+    layers = Layers(rows, context)
+    result = dict(as_runs=graph_us(lambda: layers.step(None)) / LAYERS)
+    default_max_rows = pdl.MAX_ROWS
+    pdl.MAX_ROWS = 1 << 30
+    try:
+        result["pdl_all_rows"] = graph_us(lambda: layers.step(None)) / LAYERS
+        layers.splitk = True
+        result["pdl_all_rows_splitk"] = graph_us(lambda: layers.step(None)) / LAYERS
+    finally:
+        pdl.MAX_ROWS = default_max_rows
+    return result
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
     _decode_matmul_kernel[grid](
         x, w, out, num_rows, x.stride(0), out.stride(0), K=k, UP_OFFSET=width if gated else 0,
         ELEMS_PER_LINE=per_line, NUM_LINES_POW2=lines_pow2(k, per_line), **cfg,
-        **launch_options(x.device))
+        **launch_options(x.device, num_rows))
     return out
 
 

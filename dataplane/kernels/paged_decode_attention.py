@@ -411,7 +411,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     constexprs = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size,
                       TILE_PAGES=max(1, plan.block_n // block_size),
-                      TRACE=trace is not None, **launch_options(q.device),
+                      TRACE=trace is not None,
+                      **launch_options(q.device, num_reqs),
                       **(_config(q.dtype, head_dim) | (config or {}) | dict(BLOCK_N=plan.block_n)))
     if plan.num_programs is None:  # once a plan: the layers after the first reuse it
         plan.num_programs = _programs_per_head(q.device, num_kv_heads, plan.max_programs, args,

@@ -31,6 +31,11 @@ import triton.language as tl
 from triton.language.extra import cuda as triton_cuda
 
 _enabled = True
+# Launches of more rows (tokens, requests) than this go without PDL. On the H200 at 865485f and
+# 9290a2a (bench-0.6b against bench-0.6b-nopdl, twice) PDL took 0.9-5.8% off the decode steps of
+# up to 128 rows but added 0.3-0.8% to those of 129-256, where cuBLAS runs every GEMM and only
+# q/k-norm -> attention is a pair of ours.
+MAX_ROWS = 128
 
 
 def set_enabled(enabled: bool) -> None:
@@ -44,10 +49,10 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def launch_options(device: torch.device) -> dict:
-    """The kernel arguments that turn PDL on or off for a launch on `device`: the kernel's
-    USE_PDL constexpr and Triton's `launch_pdl` option, always set together."""
-    on = _enabled and device.type == "cuda" and _supported(
+def launch_options(device: torch.device, num_rows: int) -> dict:
+    """The kernel arguments that turn PDL on or off for a launch of num_rows rows on `device`:
+    the kernel's USE_PDL constexpr and Triton's `launch_pdl` option, always set together."""
+    on = _enabled and num_rows <= MAX_ROWS and device.type == "cuda" and _supported(
         device.index if device.index is not None else torch.cuda.current_device())
     return {"USE_PDL": on, "launch_pdl": on}
 

@@ -108,7 +108,7 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
         HALF=head_dim // 2, BLOCK_Q_HEADS=triton.next_power_of_2(num_heads),
         BLOCK_K_HEADS=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=block_size, num_warps=4,
-        **launch_options(q.device),
+        **launch_options(q.device, num_tokens),
     )
     return q_out
 

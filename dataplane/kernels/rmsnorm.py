@@ -63,7 +63,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
         x.stride(-2), residual.stride(0) if residual is not None else 0, out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
         PARTS=parts,
-        num_warps=min(16, max(4, block_rows * block_cols // 512)), **launch_options(x.device),
+        num_warps=min(16, max(4, block_rows * block_cols // 512)),
+        **launch_options(x.device, num_rows),
     )
 
 

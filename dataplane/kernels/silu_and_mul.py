@@ -37,7 +37,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     block = min(1024, triton.next_power_of_2(width))  # 3072 and 12288 split evenly
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
         x, out, width, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
-        **launch_options(x.device))
+        **launch_options(x.device, num_tokens))
     return out
 
 

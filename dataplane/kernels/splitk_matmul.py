@@ -99,7 +99,7 @@ def splitk_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = None,
     _splitk_kernel[grid](x, w, out, num_rows, x.stride(0), w.stride(0), N=n, K_SPLIT=k // splits,
                          ELEMS_PER_LINE=LINE // w.element_size(),
                          NUM_LINES_POW2=lines_pow2(k // splits, LINE // w.element_size()), **cfg,
-                         **launch_options(x.device))
+                         **launch_options(x.device, num_rows))
     return out
 
 
