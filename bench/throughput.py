@@ -154,10 +154,13 @@ class DeviceTimeline:
 
     def __init__(self, llm) -> None:
         self.steps: list[tuple] = []  # (start event, end event, the Step message)
+        self.first_submit: float | None = None  # perf_counter at the first step's submit
         runner = llm.runner
         inner = runner.submit
 
         def submit(step):
+            if self.first_submit is None:
+                self.first_submit = time.perf_counter()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             pending = inner(step)
@@ -167,10 +170,14 @@ class DeviceTimeline:
             return pending
         runner.submit = submit
 
-    def report(self) -> dict:
+    def report(self, run_start: float, run_seconds: float) -> dict:
         """Device busy and idle seconds over the run, and per decode-batch bucket the mean
-        device time and the mean gap before a step."""
+        device time and the mean gap before a step; the host's time before the first step
+        (the requests built and scheduled) and the rest of the run outside the steps' span
+        (the last result read back, the completions gathered)."""
         torch.cuda.synchronize()
+        span = self.steps[0][0].elapsed_time(self.steps[-1][1]) / 1e3
+        before = self.first_submit - run_start
         busy = [s[0].elapsed_time(s[1]) / 1e3 for s in self.steps]
         gaps = [0.0] + [a[1].elapsed_time(b[0]) / 1e3 for a, b in zip(self.steps, self.steps[1:])]
         buckets: dict[str, list] = {}
@@ -179,6 +186,8 @@ class DeviceTimeline:
             kind = "mixed" if tokens > rows else f"decode {min(256, -(-rows // 32) * 32)}"
             buckets.setdefault(kind, []).append((b, g, context))
         return {"device_busy_s": sum(busy), "device_idle_s": sum(gaps),
+                "host_before_first_step_s": before,
+                "after_last_step_s": run_seconds - before - span,
                 "buckets": {k: {"steps": len(v), "busy_ms": 1e3 * sum(x[0] for x in v) / len(v),
                                 "gap_ms": 1e3 * sum(x[1] for x in v) / len(v),
                                 "context_tokens": sum(x[2] for x in v) // len(v)}
@@ -212,7 +221,7 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     seconds = time.perf_counter() - start
     steps = llm.engine.num_steps - steps_before
     info = llm.dataplane.info
-    device = timeline.report()
+    device = timeline.report(start, seconds)
     llm.close()
     print("host time:", json.dumps(host.report()), flush=True)
     print("device time:", json.dumps(device), flush=True)
