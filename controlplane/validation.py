@@ -39,9 +39,13 @@ def _require(ok: bool, field: str, message: str) -> None:
 
 def validate_prompt(token_ids: list[int], field: str, limits: Limits) -> None:
     _require(len(token_ids) > 0, field, "the prompt is empty (0 tokens); give at least one")
-    for i, token in enumerate(token_ids):
-        _require(token < limits.vocab_size, f"{field}[{i}]",
-                 f"token id {token} is outside the vocabulary [0, {limits.vocab_size})")
+    # min and max run in C; a per-id Python loop took 62 ms for workload A's 256 prompts
+    # (144k ids) on this machine, all of it before the first step
+    if min(token_ids) < 0 or max(token_ids) >= limits.vocab_size:
+        i, token = next((i, t) for i, t in enumerate(token_ids)
+                        if not 0 <= t < limits.vocab_size)
+        raise ValidationError(f"{field}[{i}]", f"token id {token} is outside the vocabulary "
+                                               f"[0, {limits.vocab_size})")
     n = len(token_ids)
     _require(n < limits.max_model_len, field,
              f"the prompt has {n} tokens; max_model_len is {limits.max_model_len}, so at most "
