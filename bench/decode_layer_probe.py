@@ -175,7 +175,8 @@ def main() -> None:
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
     for rows, context in LONG:
-        report["shapes"].append(dict(rows=rows, context=context, layer_us=long_layer(rows, context)))
+        layer_us = long_layer(rows, context)
+        report["shapes"].append(dict(rows=rows, context=context, layer_us=layer_us))
         print(f"{rows:3d} rows of {context} keys, layer us: " + ", ".join(
             f"{k} {v:.2f}" for k, v in report["shapes"][-1]["layer_us"].items()), flush=True)
         with open(sys.argv[1], "w") as f:

@@ -96,6 +96,16 @@ def randn(*shape: int, dtype: torch.dtype, device: torch.device, gen: torch.Gene
     return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(device)
 
 
+def gemm_operands(num_rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [num_rows, k] and a layer-scaled weight w [n, k]. The interpreter is slow: there, shapes
+    above 128 x 256 run at up to 7 rows only (the rest skip)."""
+    if device.type == "cpu" and n * k > 128 * 256 and num_rows > 7:
+        pytest.skip("the interpreter is slow: the large shapes at 1 and 7 rows only")
+    return (randn(num_rows, k, dtype=dtype, device=device, gen=gen),
+            randn(n, k, dtype=dtype, device=device, gen=gen, scale=k ** -0.5))
+
+
 def nan_like(x: torch.Tensor) -> torch.Tensor:
     return torch.full_like(x, float("nan"))
 

@@ -12,7 +12,7 @@ from dataplane.kernels.decode_matmul import (  # noqa: E402
 from dataplane.layers.linear import QKVParallelLinear  # noqa: E402
 from dataplane.models.qwen3 import Qwen3MLP  # noqa: E402
 from tests.dataplane.kernels.helpers import (  # noqa: E402
-    DTYPES, KERNEL_MARKS, assert_close, nan_like, on_gpu, randn, skip_unsupported)
+    DTYPES, KERNEL_MARKS, assert_close, gemm_operands, nan_like, on_gpu, randn, skip_unsupported)
 
 pytestmark = KERNEL_MARKS
 
@@ -23,10 +23,7 @@ pytestmark = KERNEL_MARKS
 @pytest.mark.parametrize("n,k", [(4096, 1024), (256, 128)])
 def test_decode_matmul_against_torch(dtype, gated, num_rows, n, k, device, gen):
     skip_unsupported(dtype, device)
-    if device.type == "cpu" and n * k > 256 * 128 and num_rows > 7:
-        pytest.skip("the interpreter is slow: the large shape at 1 and 7 rows only")
-    x = randn(num_rows, k, dtype=dtype, device=device, gen=gen)
-    w = randn(n, k, dtype=dtype, device=device, gen=gen, scale=k ** -0.5)
+    x, w = gemm_operands(num_rows, n, k, dtype, device, gen)
     y = decode_matmul(x, w, gated=gated)
     assert y.shape == (num_rows, n // 2 if gated else n) and y.dtype == dtype
     assert_close(y, decode_matmul_ref(x, w, gated), dtype)

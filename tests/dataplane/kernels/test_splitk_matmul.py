@@ -15,7 +15,7 @@ from dataplane.kernels.splitk_matmul import (  # noqa: E402
 from dataplane.layers.layernorm import RMSNorm  # noqa: E402
 from dataplane.layers.linear import RowParallelLinear  # noqa: E402
 from tests.dataplane.kernels.helpers import (  # noqa: E402
-    DTYPES, KERNEL_MARKS, assert_close, on_gpu, randn, skip_unsupported)
+    DTYPES, KERNEL_MARKS, assert_close, gemm_operands, on_gpu, randn, skip_unsupported)
 
 pytestmark = KERNEL_MARKS
 EPS = 1e-6
@@ -29,10 +29,7 @@ PART_TOLERANCE = 1e-4
 @pytest.mark.parametrize("n,k,splits", [(1024, 2048, 8), (1024, 3072, 4), (128, 256, 2)])
 def test_splitk_partials(dtype, num_rows, n, k, splits, device, gen):
     skip_unsupported(dtype, device)
-    if device.type == "cpu" and n * k > 128 * 256 and num_rows > 7:
-        pytest.skip("the interpreter is slow: the large shapes at 1 and 7 rows only")
-    x = randn(num_rows, k, dtype=dtype, device=device, gen=gen)
-    w = randn(n, k, dtype=dtype, device=device, gen=gen, scale=k ** -0.5)
+    x, w = gemm_operands(num_rows, n, k, dtype, device, gen)
     parts = splitk_matmul(x, w, config=dict(SPLITS=splits))
     assert parts.shape == (splits, num_rows, n) and parts.dtype == torch.float32
     torch.testing.assert_close(parts, splitk_matmul_ref(x, w, splits), atol=PART_TOLERANCE,
