@@ -211,12 +211,13 @@ class ModelRunner:
         request, whose tiles are merged across programs; a full batch of short ones), so that
         every kernel variant a served step launches compiles now and not inside one: a Triton
         compile holds the GIL for up to seconds, which would silence the link's heartbeats. (The
-        torch backend's attention has no kernels: one short prompt step meets the layers' kernels
-        at decode sizes, the split-K ones among them, which the profiling step's full batch does
-        not.)"""
+        torch backend's attention has no kernels: two short prompt steps meet the layers' kernels
+        at decode sizes, which the profiling step's full batch does not: at 2 tokens the decode
+        GEMMs, at 64 the split-K ones and the variants launched with PDL, kernels/pdl.py.)"""
         logits = None
         if self.backend.name == "torch":
-            logits = self._dummy_forward(2, num_blocks, 1, store=False)
+            for num_tokens in sorted({2, min(64, limits.max_num_batched_tokens)}):
+                logits = self._dummy_forward(num_tokens, num_blocks, 1, store=False)
         else:
             self._dummy_decode(1, limits.max_model_len, num_blocks)
             self._dummy_decode(limits.max_num_seqs, min(limits.max_model_len, 64), num_blocks)

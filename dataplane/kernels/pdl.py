@@ -46,15 +46,18 @@ def set_enabled(enabled: bool) -> None:
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    # griddepcontrol needs Hopper; Triton's launch_pdl option and gdc_* came after torch 2.6's
+    return (torch.cuda.get_device_capability(device_index)[0] >= 9
+            and hasattr(triton_cuda, "gdc_wait"))
 
 
 def launch_options(device: torch.device, num_rows: int) -> dict:
     """The kernel arguments that turn PDL on or off for a launch of num_rows rows on `device`:
-    the kernel's USE_PDL constexpr and Triton's `launch_pdl` option, always set together."""
+    the kernel's USE_PDL constexpr and Triton's `launch_pdl` option, always set together (the
+    option left out when off: a Triton without it refuses the keyword)."""
     on = _enabled and num_rows <= MAX_ROWS and device.type == "cuda" and _supported(
         device.index if device.index is not None else torch.cuda.current_device())
-    return {"USE_PDL": on, "launch_pdl": on}
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
 
 @triton.jit

@@ -56,7 +56,8 @@ def _decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    gated: bool) -> torch.Tensor | None:
     """The decode GEMM's output where it pays (a CUDA batch of decode size, no bias), else
     None (kernels/decode_matmul.py: cuBLAS's floor there is ~2x the weights' bytes)."""
-    if not x.is_cuda or bias is not None or x.dim() != 2:
+    if not x.is_cuda or bias is not None or x.dim() != 2 or x.stride(1) != 1 \
+            or x.dtype != weight.dtype:
         return None
     from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays
     n, k = weight.shape

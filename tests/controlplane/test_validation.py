@@ -26,3 +26,12 @@ def test_a_prompt_token_outside_the_vocabulary_is_named_by_its_first_index(ids, 
     with pytest.raises(ValidationError, match=rf"{re.escape(field)}: token id {token} is outside "
                                               r"the vocabulary \[0, 10\)"):
         validate_prompt(ids, "prompt", limits)
+
+
+@pytest.mark.parametrize("ids", [[1, float("nan")], [float("nan"), -1], [1, 3.5], [1, 2 ** 64]])
+def test_prompt_ids_that_are_not_integers_in_range_are_refused(ids):
+    """min and max let NaN through (every comparison with it is False); floats would reach the
+    step codec's int32 packing."""
+    limits = Limits(max_model_len=64, vocab_size=10, max_total_tokens=64, max_logprobs=20)
+    with pytest.raises(ValidationError, match=r"^prompt: token ids must be integers in \[0, 10\)"):
+        validate_prompt(ids, "prompt", limits)
