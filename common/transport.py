@@ -72,6 +72,11 @@ class LinkConfig:
     # A data plane whose control plane went silent waits this long for one to come back, then
     # exits (its orchestrator restarts it).
     controlplane_grace_s: float = 30.0
+    # The data plane's connection drops only after this long without a transport heartbeat, so
+    # that a control plane frozen for a few seconds finds it still there (a reconnect reaches
+    # the ROUTER under a new routing id: tests/integration/test_faults.py). A control plane
+    # that dies closes the connection at once; one whose host vanishes is left after this.
+    transport_timeout_s: float = 10.0
     max_message_bytes: int = 256 << 20
     high_water_mark: int = 1000
     curve: CurveKeys | None = None
@@ -83,6 +88,8 @@ class LinkConfig:
             raise ValueError("step_timeout_s must be > 0")
         if self.configure_timeout_s < self.heartbeat_timeout_s:
             raise ValueError("need configure_timeout_s >= heartbeat_timeout_s")
+        if self.transport_timeout_s < self.heartbeat_timeout_s:
+            raise ValueError("need transport_timeout_s >= heartbeat_timeout_s")
 
 
 def unbounded_socket(kind: int) -> zmq.asyncio.Socket:
@@ -104,9 +111,12 @@ def configure_socket(sock: zmq.Socket, config: LinkConfig, server: bool) -> None
     sock.setsockopt(zmq.RCVHWM, config.high_water_mark)
     sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
     # ZMTP heartbeats: the transport drops a dead TCP peer even when no message is due.
+    # The control plane's side drops a frozen data plane's connection after the link's heartbeat
+    # timeout (then probes and loses it); the data plane's side waits longer (LinkConfig).
+    timeout_s = config.heartbeat_timeout_s if server else config.transport_timeout_s
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(config.heartbeat_interval_s * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_timeout_s * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(config.heartbeat_timeout_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout_s * 1000))
     keys = config.curve
     if keys is None:
         return

@@ -10,6 +10,13 @@ when a step reply misses its deadline, or when it reports a failed step. A step 
 DataPlaneLost, and the lost data plane is told to exit (a Reject in its epoch), except when the
 control plane itself stops: a data plane waits `--controlplane-grace` for the next one, weights
 loaded.
+
+A control plane that froze (stopped, starved of CPU) past the heartbeat timeout has not lost its
+data plane. On waking it judges neither the data plane's silence nor a step's deadline before it
+has read what queued meanwhile, and it resumes a data plane that says Hello in the current epoch
+(the connection outlives the freeze: LinkConfig.transport_timeout_s). Only the heartbeat probes
+lose a data plane over a send that finds no connection; a step or a reply to a Hello that does
+not go out is repeated or dropped.
 """
 
 import asyncio
@@ -115,13 +122,15 @@ class DataPlaneLink:
         retry_s = self.config.retransmit_s
         try:
             while True:
-                try:
-                    await self._send(peer, link_pb2.LinkMessage(step=step))
-                except DataPlaneLost:
-                    future.cancel()  # _lose already failed it; nobody will await it now
-                    raise
+                # A send that finds no connection is repeated like a lost one: a killed data
+                # plane is lost through _monitor's probe, a reconnecting one may be back.
+                await self._send(peer, link_pb2.LinkMessage(step=step), fatal=False)
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    # After a stall of this process its reply may be waiting unread: read first.
+                    await asyncio.sleep(self.config.heartbeat_interval_s)
+                    if future.done():
+                        return future.result()
                     self._lose(f"step {step.step_id} got no reply within its {timeout_s:.1f}s deadline")
                     raise DataPlaneLost("step deadline passed")
                 try:
@@ -136,7 +145,8 @@ class DataPlaneLink:
 
     # -- internals -----------------------------------------------------------------------------
 
-    async def _send(self, peer: _Peer, message: link_pb2.LinkMessage) -> None:
+    async def _send(self, peer: _Peer, message: link_pb2.LinkMessage, fatal: bool = True) -> None:
+        """fatal: a send that finds no connection loses the data plane (else it is dropped)."""
         self._seq += 1
         message.seq, message.epoch = self._seq, peer.epoch
         frames = framing.encode(message)
@@ -144,8 +154,9 @@ class DataPlaneLink:
         try:
             await self._sock.send_multipart([peer.identity, *frames])
         except zmq.ZMQError as e:  # EHOSTUNREACH: the peer's connection is gone
-            self._lose(f"send failed: {e}")
-            raise DataPlaneLost(str(e)) from None
+            if fatal:
+                self._lose(f"send failed: {e}")
+                raise DataPlaneLost(str(e)) from None
 
     def drop(self, reason: str) -> None:
         self._lose(reason)
@@ -182,12 +193,19 @@ class DataPlaneLink:
         sent.add_done_callback(lambda future: future.cancelled() or future.exception())
 
     async def _watchdog(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        skipped = False
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+            before = time.monotonic()
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if now - before > 2 * interval and not skipped:
+                skipped = True  # this process stalled: read what queued meanwhile, then judge
+                continue
+            skipped = False
             peer = self._peer
             if peer is None:
                 continue
-            now = time.monotonic()
             limit = self.config.heartbeat_timeout_s if peer.info is not None \
                 else self.config.configure_timeout_s
             if now - peer.last_heard > limit:
@@ -234,7 +252,7 @@ class DataPlaneLink:
     async def _dispatch(self, identity: bytes, message: link_pb2.LinkMessage) -> None:
         kind = message.WhichOneof("body")
         if kind == "hello":
-            await self._on_hello(identity, message.hello)
+            await self._on_hello(identity, message.hello, message.epoch)
             return
         peer = self._peer
         if peer is None or identity != peer.identity or message.epoch != peer.epoch:
@@ -257,10 +275,18 @@ class DataPlaneLink:
         peer.configure_sent = time.monotonic()
         await self._send_quietly(peer, link_pb2.LinkMessage(configure=self.limits))
 
-    async def _on_hello(self, identity: bytes, hello: link_pb2.Hello) -> None:
+    async def _on_hello(self, identity: bytes, hello: link_pb2.Hello, epoch: int) -> None:
         peer = self._peer
         if peer is not None and peer.identity == identity and peer.info is None:
             return  # a repeated Hello while its Configure is on the way (the watchdog repeats it)
+        if peer is not None and peer.identity == identity and epoch == peer.epoch:
+            # it lost our heartbeats while this process was frozen, and kept its state
+            log.warning("data plane %s resumed in epoch %d", hello.instance_id, epoch)
+            peer.last_heard = time.monotonic()
+            # (not fatal: the watchdog's next heartbeat judges the connection)
+            await self._send(peer, link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()),
+                             fatal=False)
+            return
         problem = self._incompatibility(hello)
         if problem is None and peer is not None and peer.identity != identity and \
                 time.monotonic() - peer.last_heard < self.config.heartbeat_timeout_s:
@@ -278,10 +304,8 @@ class DataPlaneLink:
         await self._configure(self._peer)
 
     async def _send_quietly(self, peer: _Peer, message: link_pb2.LinkMessage) -> None:
-        try:
-            await self._send(peer, message)
-        except DataPlaneLost:
-            pass
+        """Not fatal: `peer` may be a refused newcomer, not the attached data plane."""
+        await self._send(peer, message, fatal=False)
 
     def _incompatibility(self, hello: link_pb2.Hello) -> str | None:
         if hello.protocol_version != PROTOCOL_VERSION:

@@ -5,6 +5,12 @@ forward pass), repeats Hello until the control plane configures it, drops malfor
 and stale messages, and relays the rest to the main thread over an inproc pair socket. It ends
 the process when the control plane declares this data plane lost (a Reject in its epoch), or
 when no control plane has been heard for `controlplane_grace_s`.
+
+A control plane silent for `heartbeat_timeout_s` may be gone or only frozen (stopped, starved of
+CPU). The thread keeps its epoch and repeats Hello in it: the same control plane, running again,
+resumes this data plane where it was (DataPlaneLink._on_hello); a new one configures a new
+epoch. The connection itself outlives such a freeze: its transport heartbeats give up only
+after `transport_timeout_s` (a reconnect would reach the ROUTER under a new routing id).
 """
 
 import logging
@@ -22,7 +28,7 @@ from protos import link_pb2
 log = logging.getLogger("splitserve.dataplane")
 
 RELAY = b"msg"  # a message from the control plane, as raw LinkMessage bytes
-LOST = b"lost"  # the control plane went silent: drop all state and wait for a new Configure
+LOST = b"lost"  # the control plane went silent (the epoch is kept until a new Configure)
 EXIT_DROPPED = 3  # exit code when the control plane dropped us or never came back
 
 
@@ -122,15 +128,17 @@ class _IOLoop:
 
     def _tick(self, now: float) -> None:
         config = self.link.config
-        if self.epoch and now - self.last_heard > config.heartbeat_timeout_s:
-            self.epoch, self.lost_since = 0, now
+        if self.epoch and self.lost_since is None and \
+                now - self.last_heard > config.heartbeat_timeout_s:
+            self.lost_since = now
             self.pair.send_multipart([LOST, b""])
         if self.lost_since is not None and now - self.lost_since > config.controlplane_grace_s:
             log.error("no control plane for %.0fs; exiting", config.controlplane_grace_s)
             os._exit(EXIT_DROPPED)
-        if not self.epoch and now - self.last_hello > config.hello_retry_s:
-            self.last_hello = now
-            self._send(link_pb2.LinkMessage(hello=self.link.hello))
+        if (not self.epoch or self.lost_since is not None) and \
+                now - self.last_hello > config.hello_retry_s:
+            self.last_hello = now  # in our epoch: the control plane that froze resumes us
+            self._send(link_pb2.LinkMessage(epoch=self.epoch, hello=self.link.hello))
         elif now - self.last_sent > config.heartbeat_interval_s:
             self._send(link_pb2.LinkMessage(epoch=self.epoch, heartbeat=link_pb2.Heartbeat()))
 
@@ -164,5 +172,8 @@ class _IOLoop:
             return
         self.last_seq_in = message.seq
         self.last_heard = time.monotonic()
+        if self.lost_since is not None:
+            log.warning("control plane back after %.1fs", self.last_heard - self.lost_since)
+            self.lost_since = None
         if kind != "heartbeat":
             self.pair.send_multipart([RELAY, frames[0]])

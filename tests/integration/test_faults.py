@@ -161,6 +161,29 @@ def test_a_stalled_frontend_loses_no_token(model, tmp_path):
         server.stop()
 
 
+def test_a_frozen_control_plane_keeps_its_data_plane(model, expected, tmp_path):
+    """SIGSTOP of the engine for 2.5 s, past the link's 1.5 s heartbeat timeout, while streams
+    run: both sides lose each other's heartbeats and the data plane's transport reconnects.
+    Once the engine runs again it resumes the same data plane in the same epoch: no loss, no
+    restart (on a GPU a restart costs a weight load), and every stream completes unchanged."""
+    server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "512")
+    try:
+        flight = InFlight(server.client)
+        assert flight.started.wait(60)
+        dataplane = dataplane_pid(server)
+        engine = server.processes[0].popen.pid
+        os.kill(engine, signal.SIGSTOP)
+        time.sleep(2.5)
+        os.kill(engine, signal.SIGCONT)
+        results = flight.wait()
+        assert [r[0] for r in results] == ["FINISH_REASON_LENGTH"] * len(PROMPTS)
+        assert [r[1] for r in results] == expected
+        assert server.client.load().num_dataplane_losses == 0
+        assert dataplane_pid(server) == dataplane
+    finally:
+        server.stop()
+
+
 def test_a_hung_engine_ends_its_frontends_calls_unavailable(model, tmp_path):
     """The engine process hangs without dying (SIGSTOP): after 10 s without a word from it the
     front-end ends its calls UNAVAILABLE (streams without a deadline waited forever) and turns
