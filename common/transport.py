@@ -72,10 +72,11 @@ class LinkConfig:
     # A data plane whose control plane went silent waits this long for one to come back, then
     # exits (its orchestrator restarts it).
     controlplane_grace_s: float = 30.0
-    # The data plane's connection drops only after this long without a transport heartbeat, so
-    # that a control plane frozen for a few seconds finds it still there (a reconnect reaches
-    # the ROUTER under a new routing id: tests/integration/test_faults.py). A control plane
-    # that dies closes the connection at once; one whose host vanishes is left after this.
+    # ZeroMQ's own (ZMTP) heartbeats drop a connection only after this long, on both sides, so
+    # that a control plane frozen for a few seconds finds its data plane's connection still
+    # there (a reconnect reaches the ROUTER under another routing id). The link's heartbeats
+    # above still lose a silent peer after heartbeat_timeout_s; a process that dies closes its
+    # connections at once.
     transport_timeout_s: float = 10.0
     max_message_bytes: int = 256 << 20
     high_water_mark: int = 1000
@@ -111,12 +112,12 @@ def configure_socket(sock: zmq.Socket, config: LinkConfig, server: bool) -> None
     sock.setsockopt(zmq.RCVHWM, config.high_water_mark)
     sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
     # ZMTP heartbeats: the transport drops a dead TCP peer even when no message is due.
-    # The control plane's side drops a frozen data plane's connection after the link's heartbeat
-    # timeout (then probes and loses it); the data plane's side waits longer (LinkConfig).
-    timeout_s = config.heartbeat_timeout_s if server else config.transport_timeout_s
+    # TIMEOUT: this side's wait for the peer; TTL: the wait it asks of the peer (in each PING).
+    # Both long (LinkConfig.transport_timeout_s): after a freeze libzmq runs its due timers
+    # before it reads what queued, so a short one drops a live connection.
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(config.heartbeat_interval_s * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout_s * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.transport_timeout_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(config.transport_timeout_s * 1000))
     keys = config.curve
     if keys is None:
         return

@@ -297,7 +297,8 @@ class DataPlaneLink:
                                      link_pb2.LinkMessage(reject=link_pb2.Reject(reason=problem)))
             return
         self._lose("a new data plane said hello")
-        self._epoch += 1
+        # newer than the epoch its Hello carries, should this host's clock be behind the last
+        self._epoch = max(self._epoch, epoch) + 1
         self._peer = _Peer(identity, hello, self._epoch)
         log.info("data plane %s (%s, tp=%d, %s) connected; configuring epoch %d",
                  hello.instance_id, hello.device, hello.tp_size, hello.dtype, self._epoch)

@@ -160,6 +160,11 @@ class _IOLoop:
             return
         kind = message.WhichOneof("body")
         if kind == "reject" and self.epoch and message.epoch == self.epoch:
+            if self.lost_since is not None:  # dropped while it was silent: offer ourselves anew
+                log.warning("the control plane dropped epoch %d: %s", self.epoch,
+                            message.reject.reason)
+                self.epoch, self.last_seq_in = 0, 0
+                return
             log.error("the control plane dropped this data plane: %s", message.reject.reason)
             os._exit(EXIT_DROPPED)
         if kind == "configure" and message.epoch > self.epoch:

@@ -163,9 +163,9 @@ def test_a_stalled_frontend_loses_no_token(model, tmp_path):
 
 def test_a_frozen_control_plane_keeps_its_data_plane(model, expected, tmp_path):
     """SIGSTOP of the engine for 2.5 s, past the link's 1.5 s heartbeat timeout, while streams
-    run: both sides lose each other's heartbeats and the data plane's transport reconnects.
-    Once the engine runs again it resumes the same data plane in the same epoch: no loss, no
-    restart (on a GPU a restart costs a weight load), and every stream completes unchanged."""
+    run: the data plane hears nothing, keeps its epoch and says Hello in it. Once the engine
+    runs again it resumes that data plane: no loss, no restart (on a GPU a restart costs a
+    weight load), and every stream completes unchanged."""
     server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "512")
     try:
         flight = InFlight(server.client)
@@ -180,6 +180,7 @@ def test_a_frozen_control_plane_keeps_its_data_plane(model, expected, tmp_path):
         assert [r[1] for r in results] == expected
         assert server.client.load().num_dataplane_losses == 0
         assert dataplane_pid(server) == dataplane
+        assert "resumed in epoch" in server.processes[0].log_path.read_text()
     finally:
         server.stop()
 
