@@ -29,9 +29,9 @@ from dataplane.kernels import pdl
 from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_ref
 from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
 from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
-from dataplane.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_parts
 from dataplane.kernels.silu_and_mul import silu_and_mul
 from dataplane.kernels.splitk_matmul import splitk_matmul, splitk_pays
+from dataplane.layers.layernorm import RMSNorm
 
 LAYERS = 28
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1024, 16, 8, 128, 3072
@@ -58,7 +58,7 @@ class Layers:
                         for _ in range(LAYERS)]
         self.down = [randn(HIDDEN, INTERMEDIATE, scale=INTERMEDIATE ** -0.5)
                      for _ in range(LAYERS)]
-        self.norm = torch.ones(HIDDEN, device="cuda", dtype=DTYPE)
+        self.norm = RMSNorm(HIDDEN, 1e-6).to("cuda", DTYPE)  # what the layers run
         self.head_norm = torch.ones(HEAD_DIM, device="cuda", dtype=DTYPE)
         self.rows = rows
         self.x = randn(rows, HIDDEN)
@@ -81,7 +81,7 @@ class Layers:
         plan = plan_decode(self.q_like, self.k_cache, self.block_tables, self.seq_lens)
         hidden, residual = self.x, self.residual.clone()
         for i in range(LAYERS):
-            hidden, residual = norm(hidden, residual, self.norm)
+            hidden, residual = self.norm(hidden, residual)
             if ours:
                 qkv = decode_matmul(hidden, self.qkv[i], config=ours["qkv"])
             else:
@@ -94,13 +94,13 @@ class Layers:
             attn = paged_decode_attention(q, self.k_cache, self.v_cache, self.block_tables,
                                           self.seq_lens, HEAD_DIM ** -0.5, plan=plan)
             hidden = row_parallel(attn.flatten(1), self.o[i], self.splitk)
-            hidden, residual = norm(hidden, residual, self.norm)
+            hidden, residual = self.norm(hidden, residual)
             if ours:
                 act = decode_matmul(hidden, self.gate_up[i], gated=True, config=ours["gate_up"])
             else:
                 act = silu_and_mul(F.linear(hidden, self.gate_up[i]))
             hidden = row_parallel(act, self.down[i], self.splitk)
-        norm(hidden, residual, self.norm)
+        self.norm(hidden, residual)
 
 
 def row_parallel(x: torch.Tensor, w: torch.Tensor, splitk: bool) -> torch.Tensor:
@@ -109,13 +109,6 @@ def row_parallel(x: torch.Tensor, w: torch.Tensor, splitk: bool) -> torch.Tensor
     if splitk or splitk_pays(x.shape[0], *w.shape, x.dtype):
         return splitk_matmul(x, w)
     return F.linear(x, w)
-
-
-def norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
-    if x.dim() == 3:
-        return fused_add_rms_norm_parts(x, residual, weight, 1e-6)
-    return fused_add_rms_norm(x, residual, weight, 1e-6)  # x: a GEMM's new output, or the
-    # step's input (overwritten: only the timing matters)
 
 
 def gemm_alone(layers: Layers, name: str) -> dict:

@@ -273,7 +273,7 @@ class DataPlaneLink:
         """Send (or repeat) Configure; a data plane configured in this epoch answers a repeat
         with its Ready again, without configuring twice."""
         peer.configure_sent = time.monotonic()
-        await self._send_quietly(peer, link_pb2.LinkMessage(configure=self.limits))
+        await self._send(peer, link_pb2.LinkMessage(configure=self.limits), fatal=False)
 
     async def _on_hello(self, identity: bytes, hello: link_pb2.Hello, epoch: int) -> None:
         peer = self._peer
@@ -293,8 +293,10 @@ class DataPlaneLink:
             problem = f"data plane {peer.hello.instance_id} is attached and alive"
         if problem is not None:
             log.warning("refusing data plane %s: %s", hello.instance_id, problem)
-            await self._send_quietly(_Peer(identity, hello, 0),
-                                     link_pb2.LinkMessage(reject=link_pb2.Reject(reason=problem)))
+            # not fatal: this peer is the refused newcomer, not the attached data plane
+            await self._send(_Peer(identity, hello, 0),
+                             link_pb2.LinkMessage(reject=link_pb2.Reject(reason=problem)),
+                             fatal=False)
             return
         self._lose("a new data plane said hello")
         # newer than the epoch its Hello carries, should this host's clock be behind the last
@@ -303,10 +305,6 @@ class DataPlaneLink:
         log.info("data plane %s (%s, tp=%d, %s) connected; configuring epoch %d",
                  hello.instance_id, hello.device, hello.tp_size, hello.dtype, self._epoch)
         await self._configure(self._peer)
-
-    async def _send_quietly(self, peer: _Peer, message: link_pb2.LinkMessage) -> None:
-        """Not fatal: `peer` may be a refused newcomer, not the attached data plane."""
-        await self._send(peer, message, fatal=False)
 
     def _incompatibility(self, hello: link_pb2.Hello) -> str | None:
         if hello.protocol_version != PROTOCOL_VERSION:

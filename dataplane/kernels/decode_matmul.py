@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dataplane.kernels.pdl import (LINE, launch_options, lines_pow2, prefetch_rows,
-                                   wait_for_inputs)
+from dataplane.kernels.pdl import launch_options, prefetch_args, prefetch_rows, wait_for_inputs
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -33,11 +32,11 @@ def _decode_matmul_kernel(
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     gated = UP_OFFSET > 0  # UP_OFFSET: the up rows' first row in w (gate's are the first)
-    if USE_PDL:  # the weights are no kernel's output: fetch them while the one before runs
-        if tl.program_id(1) == 0:
-            prefetch_rows(w_ptr, cols, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
-            if gated:
-                prefetch_rows(w_ptr, cols + UP_OFFSET, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
+    # the weights are no kernel's output: fetch them while the one before runs (once a strip)
+    if USE_PDL and tl.program_id(1) == 0:
+        prefetch_rows(w_ptr, cols, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
+        if gated:
+            prefetch_rows(w_ptr, cols + UP_OFFSET, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
     wait_for_inputs(USE_PDL)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
@@ -80,9 +79,9 @@ def decode_matmul_config(dtype: torch.dtype) -> dict:
     return _FLOAT32_CONFIG if dtype == torch.float32 else _CONFIG
 
 
-def decode_matmul_pays(num_rows: int, n: int, k: int, dtype: torch.dtype, gated: bool) -> bool:
+def decode_matmul_pays(num_rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether decode_matmul beats cuBLAS (and a separate SiLU-and-mul) for this GEMM and its
-    tiles divide the shape. n: the output's width (for gated: the width of gate alone). Float32
+    tiles divide the shape. n: the output's width (gated: the width of gate alone). Float32
     takes it on the same bounds, untimed, so the float32 GPU tests against transformers run it."""
     cfg = decode_matmul_config(dtype)
     return (0 < num_rows <= MAX_ROWS and k <= MAX_K and n % cfg["BLOCK_N"] == 0
@@ -107,12 +106,10 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
     assert out.shape == (num_rows, width) and out.dtype == x.dtype and out.stride(1) == 1
     if num_rows == 0:
         return out
-    per_line = LINE // w.element_size()
     grid = (width // cfg["BLOCK_N"], triton.cdiv(num_rows, cfg["BLOCK_M"]))
     _decode_matmul_kernel[grid](
         x, w, out, num_rows, x.stride(0), out.stride(0), K=k, UP_OFFSET=width if gated else 0,
-        ELEMS_PER_LINE=per_line, NUM_LINES_POW2=lines_pow2(k, per_line), **cfg,
-        **launch_options(x.device, num_rows))
+        **prefetch_args(w, k), **cfg, **launch_options(x.device, num_rows))
     return out
 
 

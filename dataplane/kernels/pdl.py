@@ -77,7 +77,7 @@ def prefetch_rows(ptr, rows, stride_row, row_start, NUM_ELEMS: tl.constexpr,
                   ELEMS_PER_LINE: tl.constexpr, NUM_LINES_POW2: tl.constexpr):
     """Ask the L2 for elements [row_start, row_start + NUM_ELEMS) of each of `rows` (a weight
     strip: no registers held, nothing waited for), for the time before `wait_for_inputs`.
-    NUM_LINES_POW2: lines_pow2(NUM_ELEMS, ELEMS_PER_LINE)."""
+    ELEMS_PER_LINE, NUM_LINES_POW2: prefetch_args' values."""
     lines = tl.minimum(tl.arange(0, NUM_LINES_POW2), (NUM_ELEMS - 1) // ELEMS_PER_LINE)
     ptrs = (ptr + rows.to(tl.int64)[:, None] * stride_row + row_start
             + (lines * ELEMS_PER_LINE)[None, :])  # a repeated line is harmless
@@ -85,5 +85,8 @@ def prefetch_rows(ptr, rows, stride_row, row_start, NUM_ELEMS: tl.constexpr,
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
-def lines_pow2(num_elems: int, elems_per_line: int) -> int:
-    return triton.next_power_of_2(-(-num_elems // elems_per_line))
+def prefetch_args(weight: torch.Tensor, num_elems: int) -> dict:
+    """The constexprs of a kernel that calls prefetch_rows for num_elems of `weight`'s rows."""
+    per_line = LINE // weight.element_size()
+    return {"ELEMS_PER_LINE": per_line,
+            "NUM_LINES_POW2": triton.next_power_of_2(-(-num_elems // per_line))}

@@ -16,8 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dataplane.kernels.pdl import (LINE, launch_options, lines_pow2, prefetch_rows,
-                                   wait_for_inputs)
+from dataplane.kernels.pdl import launch_options, prefetch_args, prefetch_rows, wait_for_inputs
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -29,7 +28,8 @@ def _splitk_kernel(
 ):
     col_tile = tl.program_id(0)
     split = tl.program_id(1)
-    if USE_PDL:  # the weights are no kernel's output: fetch them while the one before runs
+    # the weights are no kernel's output: fetch them while the one before runs (once a strip)
+    if USE_PDL and tl.program_id(2) == 0:
         prefetch_rows(w_ptr, col_tile * BLOCK_N + tl.arange(0, BLOCK_N), stride_w_row,
                       split * K_SPLIT, K_SPLIT, ELEMS_PER_LINE, NUM_LINES_POW2)
     wait_for_inputs(USE_PDL)
@@ -97,8 +97,7 @@ def splitk_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = None,
         return out
     grid = (n // cfg["BLOCK_N"], splits, triton.cdiv(num_rows, cfg["BLOCK_M"]))
     _splitk_kernel[grid](x, w, out, num_rows, x.stride(0), w.stride(0), N=n, K_SPLIT=k // splits,
-                         ELEMS_PER_LINE=LINE // w.element_size(),
-                         NUM_LINES_POW2=lines_pow2(k // splits, LINE // w.element_size()), **cfg,
+                         **prefetch_args(w, k // splits), **cfg,
                          **launch_options(x.device, num_rows))
     return out
 

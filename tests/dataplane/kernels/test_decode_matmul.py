@@ -47,9 +47,9 @@ def test_the_tiny_checkpoints_take_the_decode_gemm():
     gated gate_up_proj only if their tiny shapes fit the tiles."""
     c = TinyQwen3()
     qkv = ((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, c.hidden_size)
-    assert decode_matmul_pays(16, *qkv, torch.float32, gated=False)
-    assert decode_matmul_pays(16, c.intermediate_size, c.hidden_size, torch.float32, gated=True)
-    assert not decode_matmul_pays(MAX_ROWS + 1, *qkv, torch.float32, gated=False)
+    assert decode_matmul_pays(16, *qkv, torch.float32)
+    assert decode_matmul_pays(16, c.intermediate_size, c.hidden_size, torch.float32)
+    assert not decode_matmul_pays(MAX_ROWS + 1, *qkv, torch.float32)
 
 
 @pytest.mark.parametrize("num_rows", [1, 64, MAX_ROWS, MAX_ROWS + 1])
