@@ -18,6 +18,7 @@ step by batch size.
 
 import argparse
 import asyncio
+import gc
 import json
 import pathlib
 import random
@@ -103,6 +104,33 @@ def copy_bandwidth() -> float:
     return 2 * (4 << 30) / sorted(times[2:])[len(times[2:]) // 2]
 
 
+class HostPauses:
+    """The suspects for a host stall that shows as a device gap, over the timed run: the
+    garbage collector's pauses by generation (count, total and longest ms) and the CUDA caching
+    allocator's trips to the driver (cudaMalloc, cudaFree, retries after freeing its cache)."""
+
+    _ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[float]] = {}
+        self._start = 0.0
+        self._memory = torch.cuda.memory_stats()
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.setdefault(info["generation"], []).append(time.perf_counter() - self._start)
+
+    def report(self) -> dict:
+        gc.callbacks.remove(self._on_gc)
+        memory = torch.cuda.memory_stats()
+        return {"gc": {f"gen{g}": {"count": len(v), "total_ms": 1e3 * sum(v), "max_ms": 1e3 * max(v)}
+                       for g, v in sorted(self.pauses.items())},
+                "allocator": {k: memory.get(k, 0) - self._memory.get(k, 0) for k in self._ALLOCATOR}}
+
+
 class HostTimes:
     """Where the host's time goes in the in-process run: wraps the runner and the engine."""
 
@@ -154,13 +182,15 @@ class DeviceTimeline:
 
     def __init__(self, llm) -> None:
         self.steps: list[tuple] = []  # (start event, end event, the Step message)
+        self.submit_times: list[float] = []  # perf_counter at each step's submit
         self.first_submit: float | None = None  # perf_counter at the first step's submit
         runner = llm.runner
         inner = runner.submit
 
         def submit(step):
+            self.submit_times.append(time.perf_counter())
             if self.first_submit is None:
-                self.first_submit = time.perf_counter()
+                self.first_submit = self.submit_times[0]
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             pending = inner(step)
@@ -181,13 +211,20 @@ class DeviceTimeline:
         busy = [s[0].elapsed_time(s[1]) / 1e3 for s in self.steps]
         gaps = [0.0] + [a[1].elapsed_time(b[0]) / 1e3 for a, b in zip(self.steps, self.steps[1:])]
         buckets: dict[str, list] = {}
-        for (_, _, step), b, g in zip(self.steps, busy, gaps):
-            rows, tokens, context = step_shape(step)
+        shapes = [step_shape(step) for _, _, step in self.steps]
+        for (rows, tokens, context), b, g in zip(shapes, busy, gaps):
             kind = "mixed" if tokens > rows else f"decode {min(256, -(-rows // 32) * 32)}"
             buckets.setdefault(kind, []).append((b, g, context))
+        submits = np.diff(np.array(self.submit_times), prepend=self.submit_times[0])
+        longest = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:5]
         return {"device_busy_s": sum(busy), "device_idle_s": sum(gaps),
                 "host_before_first_step_s": before,
                 "after_last_step_s": run_seconds - before - span,
+                # where the device waited longest: the step, its shape, and the host's time
+                # from the previous step's submit to this one's
+                "longest_gaps": [{"step": i, "gap_ms": 1e3 * gaps[i], "rows": shapes[i][0],
+                                  "tokens": shapes[i][1], "host_ms_since_last_submit":
+                                  1e3 * float(submits[i])} for i in longest],
                 "buckets": {k: {"steps": len(v), "busy_ms": 1e3 * sum(x[0] for x in v) / len(v),
                                 "gap_ms": 1e3 * sum(x[1] for x in v) / len(v),
                                 "context_tokens": sum(x[2] for x in v) // len(v)}
@@ -213,6 +250,7 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     llm.generate(*warm_up(prompts), ignore_eos=True)
     host = HostTimes(llm)
     timeline = DeviceTimeline(llm)
+    pauses = HostPauses()
     steps_before = llm.engine.num_steps
     cpu_before = time.process_time()
     start = time.perf_counter()
@@ -222,13 +260,16 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     steps = llm.engine.num_steps - steps_before
     info = llm.dataplane.info
     device = timeline.report(start, seconds)
+    stalls = pauses.report()
     llm.close()
     print("host time:", json.dumps(host.report()), flush=True)
     print("device time:", json.dumps(device), flush=True)
+    print("host pauses:", json.dumps(stalls), flush=True)
     return {"seconds": seconds, "output_tokens": sum(c.completion_tokens for c in done),
             "num_steps": steps, "process_cpu_ms_per_step": 1e3 * (time.process_time() - cpu_before) / steps,
             "num_kv_blocks": info.num_kv_blocks, "attention_backend": info.attention_backend,
-            "host_time": host.report(), "device_time": device}
+            "host_time": host.report(), "device_time": device,
+            "host_pauses": stalls}
 
 
 def run_split(model_dir, prompts, outputs, args) -> dict:
