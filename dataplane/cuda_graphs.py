@@ -8,8 +8,7 @@ few hundred (~10 kernels a layer, each 20-40 us of Python and Triton binding whe
 
 Each graph reads fixed input buffers: a step copies its inputs into the first n rows, pads the
 rest of its bucket (slot -1: nothing stored; sequence length 0: nothing read) and replays the
-graphs of the smallest captured size >= n. Larger prompt steps run eagerly: their device time
-(~5 ms and more at 2k tokens of Qwen3-0.6B) already exceeds their host time.
+graphs of the smallest captured size >= n. Prompt steps above MAX_MIXED_TOKENS run eagerly.
 """
 
 import torch
@@ -99,14 +98,25 @@ class DecodeGraphs:
         return None if logits is None else logits[:n]
 
 
-MAX_MIXED_TOKENS = 2048  # the KV budget sets aside the graphs' pool: a forward's activations
+# The largest prompt step the graphs take; the KV budget sets aside their pool (one forward's
+# activations at this size). Up to 2048 until 1f5cb14, on the belief that a larger step's device
+# time hides its eager host time. Workload A's 16k-token prompt steps showed otherwise on the
+# H200 (in-process, 1f5cb14): the device waited 10-17 ms before each of them (~30 ms of Python
+# and Triton binding for ~300 launches, next to the engine's own work on the same thread).
+MAX_MIXED_TOKENS = 16384
+MIXED_SIZE_STEP = 2048  # above it a size every this many tokens: a step pads by less than this
 
 
 def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from 32, then the largest step the graphs take."""
+    """Powers of two from 32 below MIXED_SIZE_STEP, then its multiples, then the largest step
+    the graphs take (a 11.6k-token step pads to 12,288 tokens, not to 16,384)."""
     top, sizes = min(MAX_MIXED_TOKENS, max_num_batched_tokens), []
-    while (size := 32 << len(sizes)) < top:
+    while (size := 32 << len(sizes)) < min(top, MIXED_SIZE_STEP):
         sizes.append(size)
+    size = MIXED_SIZE_STEP
+    while size < top:
+        sizes.append(size)
+        size += MIXED_SIZE_STEP
     return sizes + [top]
 
 

@@ -37,6 +37,8 @@ def make_step(step_id: int, scheduled: list[Sched], freed: list[int] = ()) -> li
     return step
 
 
-def configure(max_num_seqs: int = 8, max_model_len: int = 256) -> link_pb2.Configure:
-    return link_pb2.Configure(max_num_seqs=max_num_seqs, max_num_batched_tokens=1024,
+def configure(max_num_seqs: int = 8, max_model_len: int = 256,
+              max_num_batched_tokens: int = 1024) -> link_pb2.Configure:
+    return link_pb2.Configure(max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, max_logprobs=20)

@@ -69,9 +69,10 @@ def test_float32_prompt_chunks_mixed_with_decodes_replay_piecewise_graphs(checkp
 
 
 def steps_with_prompts(runner: ModelRunner) -> list[torch.Tensor]:
-    """Three steps with prompt tokens: 60 prompt tokens (padded to 64 in the piecewise graphs),
+    """Four steps with prompt tokens: 60 prompt tokens (padded to 64 in the piecewise graphs),
     3 decodes and a 400-token prompt (to 512), 4 decodes and a 20-token prompt (to 32, after
-    the larger sizes: its padded rows hold stale data). Returns each step's logits."""
+    the larger sizes: its padded rows hold stale data), 5 decodes and six 450-token prompts
+    (to 4096, a size above the powers of two). Returns each step's logits."""
     vocab = runner.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -83,12 +84,14 @@ def steps_with_prompts(runner: ModelRunner) -> list[torch.Tensor]:
         next_block += count
         return list(range(next_block - count, next_block))
 
-    lengths = {0: 40, 1: 7, 2: 13, 3: 400, 4: 20}
+    lengths = {0: 40, 1: 7, 2: 13, 3: 400, 4: 20} | {slot: 450 for slot in range(5, 11)}
     new = {slot: Sched(slot, 0, n, blocks(n), new_tokens=prompt(n)) for slot, n in lengths.items()}
     computed = {}
     logits = []
     for step_id, (running, arriving) in enumerate([([], [0, 1, 2]), ([0, 1, 2], [3]),
-                                                   ([0, 1, 2, 3], [4])], start=1):
+                                                   ([0, 1, 2, 3], [4]),
+                                                   ([0, 1, 2, 3, 4], list(range(5, 11)))],
+                                                  start=1):
         scheds = [Sched(slot, computed[slot], 1) for slot in running]
         scheds += [new[slot] for slot in arriving]
         step_logits, inputs = runner.forward(make_step(step_id, scheds))
@@ -108,9 +111,11 @@ def test_prompt_graphs_give_the_eager_logits(checkpoints, moe_checkpoints, name)
     logits = {}
     for eager in (True, False):
         runner = ModelRunner.load(RunnerConfig(model_dir=path, device="cuda", dtype="float32",
-                                               num_kv_blocks=128, enforce_eager=eager))
-        runner.configure(configure(max_model_len=512))
+                                               num_kv_blocks=256, enforce_eager=eager))
+        runner.configure(configure(max_num_seqs=16, max_model_len=512,
+                                   max_num_batched_tokens=4096))
         assert (runner.mixed_graphs is None) == eager
+        assert eager or runner.mixed_graphs.sizes[-2:] == [2048, 4096]
         logits[eager] = steps_with_prompts(runner)
         runner.release()
     for graphs, eager in zip(logits[False], logits[True]):
