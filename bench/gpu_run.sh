@@ -62,7 +62,7 @@ for stage in "$@"; do
            grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -40 ;;
     runner) timeout 500 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
-             tests/dataplane/test_moe_vs_hf.py tests/dataplane/kernels/test_gumbel_sample.py \
+             tests/dataplane/test_moe_vs_hf.py tests/dataplane/kernels/test_categorical_sample.py \
              tests/dataplane/kernels/test_elementwise.py \
              tests/dataplane/kernels/test_splitk_matmul.py > "$OUT/runner.log" 2>&1
            grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/runner.log" | tail -60 ;;
@@ -72,7 +72,7 @@ for stage in "$@"; do
     smoke) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
              tests/dataplane/kernels/test_attention_backends.py \
-             tests/dataplane/kernels/test_gumbel_sample.py > "$OUT/smoke.log" 2>&1
+             tests/dataplane/kernels/test_categorical_sample.py > "$OUT/smoke.log" 2>&1
            grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/smoke.log" | tail -40 ;;
     decode-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/kernels/test_paged_decode_attention.py \

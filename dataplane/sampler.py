@@ -9,8 +9,8 @@ Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) is a draw from
 draws its q from a generator seeded by (seed, output index), so its tokens depend on its own seed
 and logits only, not on the rest of the batch, nor on how many times it was recomputed.
 
-On CUDA the draw is one fused kernel over the logits instead (dataplane.kernels.gumbel_sample:
-the Gumbel-max form of the same race, with Philox noise keyed by the same (seed, output index)),
+On CUDA the draw is a fused kernel over the logits instead (dataplane.kernels.categorical_sample:
+inverse transform sampling, one Philox uniform per row keyed by the same (seed, output index)),
 for every batch, so a seeded row's tokens never depend on its batch-mates; when no row
 truncates (top-k, top-p, min-p) it reads the model's logits directly, the largest tensor of the
 step, which the torch path passes over about ten times. The same seed gives different tokens on
@@ -172,7 +172,7 @@ _STEP_SEEDS = random.Random()  # unseeded rows: a fresh key per step
 
 def fused_draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The tokens of a batch that is not all greedy, with the fused kernel (what CUDA uses)."""
-    from dataplane.kernels.gumbel_sample import gumbel_sample  # CUDA only: imports triton
+    from dataplane.kernels.categorical_sample import categorical_sample  # CUDA: imports triton
     temperature = batch.temperature
     uses = batch.uses
     if uses.top_k or uses.top_p or uses.min_p:
@@ -189,7 +189,7 @@ def fused_draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             [base + row if seed is None else _seed_key(seed, batch.output_index[row])
              for row, seed in enumerate(batch.seeds)], dtype=torch.int64
         ).to(logits.device, non_blocking=True)
-    return gumbel_sample(logits, temperature, base, row_seeds)
+    return categorical_sample(logits, temperature, base, row_seeds)
 
 
 def compile_kernels(logits: torch.Tensor) -> None:
