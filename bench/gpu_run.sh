@@ -15,7 +15,9 @@
 #   tune-decode    decode attention configs and programs per SM on workload-like shapes
 #   ncu-decode     Nsight Compute on one decode attention launch at 64 and 256 rows (stall
 #                  reasons, occupancy; Firecracker machines only: ../.library/device/KINDS.md)
-#   host-profile   cProfile of the data plane's host time in steps that carry a prompt
+#   host-profile   cProfile of the data plane's host time in steps that carry a prompt;
+#                  host-profile-16k: in workload A's 16k-token prompt steps
+#   sampler        the CUDA sampler by chunk size and warps at 1-256 rows
 #   splitk         split-K o_proj/down_proj with the partials summed by the norm, against cuBLAS
 #   decode-layer   a decode layer with our GEMMs against cuBLAS's, with and without PDL
 #   gemm-tests     the decode GEMM, split-K, elementwise and decode attention kernels' tests
@@ -89,6 +91,10 @@ for stage in "$@"; do
              | tee "$OUT/tune-decode.log" | tail -20 ;;
     host-profile) timeout 180 python3 bench/host_profile.py 2>&1 | tee "$OUT/host-profile.log" \
              | head -60 ;;
+    host-profile-16k) timeout 180 python3 bench/host_profile.py --max-num-batched-tokens 16384 \
+             --prompt-len 562 --num-prompts 96 2>&1 | tee "$OUT/host-profile-16k.log" | head -60 ;;
+    sampler) timeout 200 python3 bench/sampler_probe.py "$OUT/sampler.json" 2>&1 \
+             | grep -v Warning | tail -62 ;;
     ncu-decode) for rows in 64 256; do timeout 150 ncu --clock-control none \
              --kernel-name regex:_decode_kernel --launch-skip 5 --launch-count 1 \
              --section LaunchStats --section Occupancy --section WarpStateStats \

@@ -101,11 +101,13 @@ def _draw(row_ptr, seeds_ptr, mass_ptr, row, stats, lanes, tops, top, temperatur
 
 
 def categorical_sample(logits: torch.Tensor, temperature: torch.Tensor, base_seed: int,
-                       row_seeds: torch.Tensor | None = None, chunk: int = 4096) -> torch.Tensor:
+                       row_seeds: torch.Tensor | None = None, chunk: int = 4096,
+                       num_warps: int = 8) -> torch.Tensor:
     """logits: [rows, vocab] (unit stride along vocab); temperature: [rows] float32 (any
     stride), 0 = greedy; row seeds: [rows] int64 on the device, else row r uses base_seed + r.
-    `chunk`: tokens of a row per program of the first launch, a power of two >= 1024. Returns
-    the sampled token ids, [rows] int64."""
+    `chunk`: tokens of a row per program of the first launch, a power of two >= 1024; it and
+    num_warps are for tuning (bench/sampler_probe.py). Returns the sampled token ids, [rows]
+    int64."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and temperature.shape == (rows,)
     assert temperature.dtype == torch.float32
@@ -121,7 +123,7 @@ def categorical_sample(logits: torch.Tensor, temperature: torch.Tensor, base_see
     args = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     temperature = temperature.contiguous()
     _chunk_kernel[(rows, num_chunks)](logits, temperature, tops, masses, args, vocab,
-                                      logits.stride(0), num_chunks, CHUNK=chunk, num_warps=8)
+                                      logits.stride(0), num_chunks, CHUNK=chunk, num_warps=num_warps)
     _pick_kernel[(rows,)](
         logits, temperature, row_seeds if row_seeds is not None else temperature, tops, masses,
         args, out, vocab, logits.stride(0), base_seed % (1 << 62), num_chunks,
