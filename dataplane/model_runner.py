@@ -8,7 +8,7 @@ always has the next step queued while the host packs and sends the previous resu
 import gc
 import pathlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -228,10 +228,30 @@ class ModelRunner:
                 if num_tokens == limits.max_num_batched_tokens:
                     break
                 num_tokens *= 2
+        self._load_lm_head_kernels(limits.max_num_seqs)
         if tp_rank() == 0:
             compile_sampler_kernels(logits if logits is not None else torch.zeros(
                 1, self.vocab_size, dtype=self.dtype, device=self.device))
         torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def _load_lm_head_kernels(self, max_rows: int) -> None:
+        """The LM head at every row count a step can sample (1 to max_num_seqs). Steps with
+        prompt tokens run it eagerly at their own row count, and cuBLAS picks a kernel per shape
+        whose module CUDA loads the first time it runs (lazy loading): on the H200 a 16k-token
+        prompt step spent ~9 ms of host time in the head's F.linear for each row count it was
+        the first to meet (bench/host_profile.py, stage host-profile-16k, at 890cda3)."""
+        arange = lambda n: torch.arange(n, device=self.device)  # noqa: E731
+        hidden = torch.zeros(max_rows, self.hf_config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        ctx = ForwardContext(
+            query_start_loc=arange(2).int(), seq_lens=arange(1).int(),
+            slot_mapping=torch.full((1,), -1, device=self.device),
+            block_tables=arange(1).int()[None], logits_indices=arange(1), max_query_len=1,
+            max_seq_len=1, query_start_loc_host=None, seq_lens_host=None)
+        for rows in range(1, max_rows + 1):
+            with forward_context(replace(ctx, logits_indices=arange(rows))):
+                self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def _dummy_decode(self, num_reqs: int, seq_len: int, num_blocks: int) -> None:

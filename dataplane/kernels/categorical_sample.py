@@ -13,7 +13,9 @@ only where u falls within float32 rounding of a boundary between two tokens' sha
 Why not Gumbel-max (this file's predecessor, 1407ab9 to 1f5cb14): argmax(x / T + g) needs a
 noise value g per token, and its Philox rounds, not the read, were the cost: 58 us of a 69 us
 draw at 256 rows of a 151,936-token vocabulary on the H200 (profile-256-2769bc6.log), against
-~19 us to read those bf16 logits once. Here a token costs one load and one exp2.
+~19 us to read those bf16 logits once. Here a token costs one load and one exp2: 31.6 us at 256
+rows, 17.3 at 128, 8.2 at 32 and 5.6 at 1 (bench/sampler_probe.py, sampler-890cda3.json: 8192-
+token chunks and 4 warps, the best at 32-256 rows; 2048-token chunks gain 0.5 us at 1-8 rows).
 
 Ties go to the lowest token id for greedy rows, as with torch.argmax.
 """
@@ -101,8 +103,8 @@ def _draw(row_ptr, seeds_ptr, mass_ptr, row, stats, lanes, tops, top, temperatur
 
 
 def categorical_sample(logits: torch.Tensor, temperature: torch.Tensor, base_seed: int,
-                       row_seeds: torch.Tensor | None = None, chunk: int = 4096,
-                       num_warps: int = 8) -> torch.Tensor:
+                       row_seeds: torch.Tensor | None = None, chunk: int = 8192,
+                       num_warps: int = 4) -> torch.Tensor:
     """logits: [rows, vocab] (unit stride along vocab); temperature: [rows] float32 (any
     stride), 0 = greedy; row seeds: [rows] int64 on the device, else row r uses base_seed + r.
     `chunk`: tokens of a row per program of the first launch, a power of two >= 1024; it and
