@@ -6,10 +6,13 @@ import os
 import signal
 import sys
 
-# Young-generation collections every 50k allocations instead of 700: a step allocates a few
+# Young-generation collections every 10k allocations instead of 700: a step allocates a few
 # objects per request, and with the default the collector ran many times per step (measured
-# with bench/engine_cpu.py: 0.96 -> 0.75 ms of engine time per step, 256 streams).
-_GC_THRESHOLDS = (50_000, 20, 100)
+# with bench/engine_cpu.py: 0.96 -> 0.75 ms of engine time per step, 256 streams). Not more:
+# a collection walks every object that survived since the last one (KV blocks, requests), and
+# at 50k workload A's one collection on the H200 took 20-28 ms, the longest wait of the device
+# in the run (bench/throughput.py's host_pauses and longest_gaps, 1f5cb14 and 76a6a4d).
+_GC_THRESHOLDS = (10_000, 20, 100)
 
 
 def tune_gc() -> None:
