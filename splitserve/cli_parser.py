@@ -97,7 +97,7 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                         "leave (default %(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (by default decode steps replay whole-step graphs and "
-                        "steps with prompt tokens piecewise ones, up to 2048 tokens a step)")
+                        "steps with prompt tokens piecewise ones, up to 16384 tokens a step)")
     p.add_argument("--no-prompt-graphs", action="store_true",
                    help="run steps that carry prompt tokens eagerly (decode steps keep theirs)")
     p.add_argument("--no-pdl", action="store_true",
