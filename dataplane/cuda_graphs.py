@@ -139,6 +139,15 @@ class MixedGraphs:
         self.graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], list[Attention],
                                      torch.Tensor]] = {}
 
+    @staticmethod
+    def held_bytes(max_num_batched_tokens: int, hidden_size: int, num_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+        """What the graphs hold besides one forward's activations in their pool: each size's
+        final hidden state (alive for its replays) and the q/out buffers every piece shares."""
+        sizes = mixed_sizes(max_num_batched_tokens)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return (sum(sizes) * hidden_size + 2 * sizes[-1] * num_heads * head_dim) * itemsize
+
     def _context(self, size: int, split) -> ForwardContext:
         """What the pieces read: the slots of the K/V store (attention is not captured)."""
         device = self.q.device

@@ -164,7 +164,8 @@ class ModelRunner:
         """Bytes for the KV cache. On CUDA: the configured share of the device, less what is in
         use (weights, context) and the peak of a worst-case step (a full prefill plus sampling
         max_num_seqs rows with every sampling feature), measured by running one, and what the
-        CUDA graphs keep: 512 MB, plus that peak scaled to the prompt graphs' largest size."""
+        CUDA graphs keep: 512 MB, plus that peak scaled to the prompt graphs' largest size and
+        what those graphs hold besides (MixedGraphs.held_bytes)."""
         if self.device.type == "cpu":
             return int(self.config.cpu_kv_cache_gib * (1 << 30))
         torch.cuda.synchronize()
@@ -180,7 +181,10 @@ class ModelRunner:
         if self._uses_prompt_graphs:
             # the prompt graphs' pool keeps one forward's activations at their largest size
             share = min(1.0, MAX_MIXED_TOKENS / limits.max_num_batched_tokens)
-            graphs_and_slack += int(peak * share)
+            attention = self.model.attention_layers()[0]
+            graphs_and_slack += int(peak * share) + MixedGraphs.held_bytes(
+                limits.max_num_batched_tokens, self.hf_config.hidden_size, attention.num_heads,
+                attention.head_dim, self.dtype)
         return int(total * self.config.gpu_memory_utilization - (total - free) - peak
                    - graphs_and_slack)
 

@@ -29,8 +29,9 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _tempered(row_ptr, cols, vocab, temperature):
-    """The chunk's logits over T in log2 units (-inf past the vocabulary); T == 0: over 1."""
-    scale = LOG2E / tl.where(temperature == 0.0, 1.0, temperature)
+    """The chunk's logits over T in log2 units (-inf past the vocabulary); T == 0: as they are
+    (a greedy row takes the argmax, which a scaling could turn into a tie of neighbours)."""
+    scale = tl.where(temperature == 0.0, 1.0, LOG2E / temperature)
     x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     return x * scale
 
@@ -93,6 +94,7 @@ def _draw(row_ptr, seeds_ptr, mass_ptr, row, stats, lanes, tops, top, temperatur
     # the draw in the chunk's own units: its mass relative to its own maximum
     inside = (target - tl.sum(tl.where(here, ends, 0.0), axis=0) + share) / share \
         * tl.sum(tl.where(here, masses, 0.0), axis=0)
+    inside = tl.maximum(inside, 0.0)  # rounding can put it below 0: before a zero-mass token
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = _tempered(row_ptr, cols, vocab, temperature)
     chunk_top = tl.sum(tl.where(here, tops, 0.0), axis=0)

@@ -30,6 +30,16 @@ def test_greedy_rows_are_the_argmax_with_ties_to_the_lowest_id(dtype, vocab, dev
     assert got.tolist() == logits.float().argmax(dim=-1).tolist()
 
 
+def test_greedy_float32_neighbours_are_told_apart(device):
+    """Two float32 logits one ulp apart: a greedy row takes the larger (scaling them into
+    log2 units first could round them into a tie that goes to the lower id)."""
+    x = torch.full((1, 50), -20.0)
+    x[0, 0] = -7.8722067
+    x[0, 1] = torch.nextafter(x[0, 0], torch.tensor(0.0))
+    got = categorical_sample(x.to(device), torch.zeros(1, device=device), base_seed=1)
+    assert got.tolist() == [1]
+
+
 def test_a_seeded_row_depends_on_its_logits_and_seed_only(device, gen):
     vocab = 300
     logits = randn(6, vocab, dtype=torch.float32, device=device, gen=gen)
