@@ -1,5 +1,5 @@
-"""Where the data plane's host time goes in steps that carry a prompt (piecewise graphs up to
-2048 tokens since the eighth session, eager before): cProfile over ModelRunner.submit while
+"""Where the data plane's host time goes in steps that carry a prompt (piecewise graphs since the
+eighth session, up to 16,384 tokens since the twelfth): cProfile over ModelRunner.submit while
 --num-prompts requests of --prompt-len random tokens arrive next to 16 running decodes,
 in-process on CUDA.
 Prints the mean host milliseconds of a prompt step (profiled, so inflated; serving.py's GetLoad

@@ -183,14 +183,11 @@ class DeviceTimeline:
     def __init__(self, llm) -> None:
         self.steps: list[tuple] = []  # (start event, end event, the Step message)
         self.submit_times: list[float] = []  # perf_counter at each step's submit
-        self.first_submit: float | None = None  # perf_counter at the first step's submit
         runner = llm.runner
         inner = runner.submit
 
         def submit(step):
             self.submit_times.append(time.perf_counter())
-            if self.first_submit is None:
-                self.first_submit = self.submit_times[0]
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             pending = inner(step)
@@ -207,7 +204,7 @@ class DeviceTimeline:
         (the last result read back, the completions gathered)."""
         torch.cuda.synchronize()
         span = self.steps[0][0].elapsed_time(self.steps[-1][1]) / 1e3
-        before = self.first_submit - run_start
+        before = self.submit_times[0] - run_start
         busy = [s[0].elapsed_time(s[1]) / 1e3 for s in self.steps]
         gaps = [0.0] + [a[1].elapsed_time(b[0]) / 1e3 for a, b in zip(self.steps, self.steps[1:])]
         buckets: dict[str, list] = {}

@@ -110,14 +110,9 @@ MIXED_SIZE_STEP = 2048  # above it a size every this many tokens: a step pads by
 def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
     """Powers of two from 32 below MIXED_SIZE_STEP, then its multiples, then the largest step
     the graphs take (a 11.6k-token step pads to 12,288 tokens, not to 16,384)."""
-    top, sizes = min(MAX_MIXED_TOKENS, max_num_batched_tokens), []
-    while (size := 32 << len(sizes)) < min(top, MIXED_SIZE_STEP):
-        sizes.append(size)
-    size = MIXED_SIZE_STEP
-    while size < top:
-        sizes.append(size)
-        size += MIXED_SIZE_STEP
-    return sizes + [top]
+    top = min(MAX_MIXED_TOKENS, max_num_batched_tokens)
+    powers = [32 << i for i in range((MIXED_SIZE_STEP // 32).bit_length() - 1) if 32 << i < top]
+    return powers + list(range(MIXED_SIZE_STEP, top, MIXED_SIZE_STEP)) + [top]
 
 
 class MixedGraphs:

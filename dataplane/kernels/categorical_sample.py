@@ -38,12 +38,12 @@ def _tempered(row_ptr, cols, vocab, temperature):
 
 @triton.jit
 def _chunk_kernel(logits_ptr, temperature_ptr, max_ptr, mass_ptr, arg_ptr, vocab, stride_row,
-                  num_chunks, CHUNK: tl.constexpr):
+                  stride_temperature, num_chunks, CHUNK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = _tempered(logits_ptr + row.to(tl.int64) * stride_row, cols, vocab,
-                  tl.load(temperature_ptr + row))
+                  tl.load(temperature_ptr + row * stride_temperature))
     top, arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     ref = tl.where(top == float("-inf"), 0.0, top)  # a chunk past the vocabulary: no -inf - -inf
     at = row * num_chunks + chunk
@@ -54,30 +54,31 @@ def _chunk_kernel(logits_ptr, temperature_ptr, max_ptr, mass_ptr, arg_ptr, vocab
 
 @triton.jit(do_not_specialize=["base_seed"])
 def _pick_kernel(logits_ptr, temperature_ptr, seeds_ptr, max_ptr, mass_ptr, arg_ptr, out_ptr,
-                 vocab, stride_row, base_seed, num_chunks, HAS_ROW_SEEDS: tl.constexpr,
-                 CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+                 vocab, stride_row, stride_temperature, base_seed, num_chunks,
+                 HAS_ROW_SEEDS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0)
-    temperature = tl.load(temperature_ptr + row)
+    temperature = tl.load(temperature_ptr + row * stride_temperature)
     lanes = tl.arange(0, CHUNKS)
-    stats = row * num_chunks + lanes
-    tops = tl.load(max_ptr + stats, mask=lanes < num_chunks, other=float("-inf"))
+    tops = tl.load(max_ptr + row * num_chunks + lanes, mask=lanes < num_chunks,
+                   other=float("-inf"))
     top = tl.max(tops, axis=0)
     if temperature == 0.0:  # greedy: the first chunk holding the row's maximum, its argmax
         first = tl.min(tl.where(tops == top, lanes, CHUNKS), axis=0)
         token = tl.load(arg_ptr + row * num_chunks + first)
     else:
-        token = _draw(logits_ptr + row.to(tl.int64) * stride_row, seeds_ptr, mass_ptr, row,
-                      stats, lanes, tops, top, temperature, vocab, base_seed, num_chunks,
+        token = _draw(logits_ptr + row.to(tl.int64) * stride_row, seeds_ptr, max_ptr, mass_ptr,
+                      row, lanes, tops, top, temperature, vocab, base_seed, num_chunks,
                       HAS_ROW_SEEDS, CHUNK)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
 @triton.jit
-def _draw(row_ptr, seeds_ptr, mass_ptr, row, stats, lanes, tops, top, temperature, vocab,
+def _draw(row_ptr, seeds_ptr, max_ptr, mass_ptr, row, lanes, tops, top, temperature, vocab,
           base_seed, num_chunks, HAS_ROW_SEEDS: tl.constexpr, CHUNK: tl.constexpr):
     """The token of a non-greedy row: the chunk its uniform draw falls in, then the token."""
-    masses = tl.load(mass_ptr + stats, mask=lanes < num_chunks, other=0.0)
-    weights = masses * tl.exp2(tops - tl.where(top == float("-inf"), 0.0, top))
+    masses = tl.load(mass_ptr + row * num_chunks + lanes, mask=lanes < num_chunks, other=0.0)
+    top_ref = tl.where(top == float("-inf"), 0.0, top)
+    weights = masses * tl.exp2(tops - top_ref)
     weights = tl.where(tops == float("-inf"), 0.0, weights)  # [CHUNKS], the row's shares
     if HAS_ROW_SEEDS:
         seed = tl.load(seeds_ptr + row)
@@ -89,15 +90,13 @@ def _draw(row_ptr, seeds_ptr, mass_ptr, row, stats, lanes, tops, top, temperatur
     # the chunk the draw falls in (rounding may push it past the last one with any mass)
     last = tl.max(tl.where(weights > 0.0, lanes, 0), axis=0)
     chunk = tl.minimum(tl.sum((ends <= target).to(tl.int32), axis=0), last)
-    here = lanes == chunk
-    share = tl.sum(tl.where(here, weights, 0.0), axis=0)
-    # the draw in the chunk's own units: its mass relative to its own maximum
-    inside = (target - tl.sum(tl.where(here, ends, 0.0), axis=0) + share) / share \
-        * tl.sum(tl.where(here, masses, 0.0), axis=0)
-    inside = tl.maximum(inside, 0.0)  # rounding can put it below 0: before a zero-mass token
+    before = tl.sum(tl.where(lanes < chunk, weights, 0.0), axis=0)
+    chunk_top = tl.load(max_ptr + row * num_chunks + chunk)
+    # the draw in the chunk's own units (its mass relative to its own maximum); rounding can
+    # put it below 0, before a zero-mass token
+    inside = tl.maximum((target - before) * tl.exp2(top_ref - chunk_top), 0.0)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = _tempered(row_ptr, cols, vocab, temperature)
-    chunk_top = tl.sum(tl.where(here, tops, 0.0), axis=0)
     e = tl.exp2(x - chunk_top)
     last_token = tl.max(tl.where(e > 0.0, tl.arange(0, CHUNK), 0), axis=0)
     index = tl.minimum(tl.sum((tl.cumsum(e, axis=0) <= inside).to(tl.int32), axis=0), last_token)
@@ -108,7 +107,7 @@ def categorical_sample(logits: torch.Tensor, temperature: torch.Tensor, base_see
                        row_seeds: torch.Tensor | None = None, chunk: int = 8192,
                        num_warps: int = 4) -> torch.Tensor:
     """logits: [rows, vocab] (unit stride along vocab); temperature: [rows] float32 (any
-    stride), 0 = greedy; row seeds: [rows] int64 on the device, else row r uses base_seed + r.
+    stride: a column of the sampling table is read in place), 0 = greedy; row seeds: [rows] int64 on the device, else row r uses base_seed + r.
     `chunk`: tokens of a row per program of the first launch, a power of two >= 1024; it and
     num_warps are for tuning (bench/sampler_probe.py). Returns the sampled token ids, [rows]
     int64."""
@@ -125,12 +124,13 @@ def categorical_sample(logits: torch.Tensor, temperature: torch.Tensor, base_see
     f32 = dict(dtype=torch.float32, device=logits.device)
     tops, masses = torch.empty(rows, num_chunks, **f32), torch.empty(rows, num_chunks, **f32)
     args = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    temperature = temperature.contiguous()
     _chunk_kernel[(rows, num_chunks)](logits, temperature, tops, masses, args, vocab,
-                                      logits.stride(0), num_chunks, CHUNK=chunk, num_warps=num_warps)
+                                      logits.stride(0), temperature.stride(0), num_chunks,
+                                      CHUNK=chunk, num_warps=num_warps)
     _pick_kernel[(rows,)](
         logits, temperature, row_seeds if row_seeds is not None else temperature, tops, masses,
-        args, out, vocab, logits.stride(0), base_seed % (1 << 62), num_chunks,
+        args, out, vocab, logits.stride(0), temperature.stride(0), base_seed % (1 << 62),
+        num_chunks,
         HAS_ROW_SEEDS=row_seeds is not None, CHUNK=chunk,
         CHUNKS=max(2, triton.next_power_of_2(num_chunks)), num_warps=8)
     return out
