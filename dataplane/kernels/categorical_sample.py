@@ -38,12 +38,12 @@ def _tempered(row_ptr, cols, vocab, temperature):
 
 @triton.jit
 def _chunk_kernel(logits_ptr, temperature_ptr, max_ptr, mass_ptr, arg_ptr, vocab, stride_row,
-                  stride_temperature, num_chunks, CHUNK: tl.constexpr):
+                  num_chunks, CHUNK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = _tempered(logits_ptr + row.to(tl.int64) * stride_row, cols, vocab,
-                  tl.load(temperature_ptr + row * stride_temperature))
+                  tl.load(temperature_ptr + row))
     top, arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     ref = tl.where(top == float("-inf"), 0.0, top)  # a chunk past the vocabulary: no -inf - -inf
     at = row * num_chunks + chunk
@@ -54,10 +54,10 @@ def _chunk_kernel(logits_ptr, temperature_ptr, max_ptr, mass_ptr, arg_ptr, vocab
 
 @triton.jit(do_not_specialize=["base_seed"])
 def _pick_kernel(logits_ptr, temperature_ptr, seeds_ptr, max_ptr, mass_ptr, arg_ptr, out_ptr,
-                 vocab, stride_row, stride_temperature, base_seed, num_chunks,
-                 HAS_ROW_SEEDS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+                 vocab, stride_row, base_seed, num_chunks, HAS_ROW_SEEDS: tl.constexpr,
+                 CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0)
-    temperature = tl.load(temperature_ptr + row * stride_temperature)
+    temperature = tl.load(temperature_ptr + row)
     lanes = tl.arange(0, CHUNKS)
     tops = tl.load(max_ptr + row * num_chunks + lanes, mask=lanes < num_chunks,
                    other=float("-inf"))
@@ -107,7 +107,7 @@ def categorical_sample(logits: torch.Tensor, temperature: torch.Tensor, base_see
                        row_seeds: torch.Tensor | None = None, chunk: int = 8192,
                        num_warps: int = 4) -> torch.Tensor:
     """logits: [rows, vocab] (unit stride along vocab); temperature: [rows] float32 (any
-    stride: a column of the sampling table is read in place), 0 = greedy; row seeds: [rows] int64 on the device, else row r uses base_seed + r.
+    stride), 0 = greedy; row seeds: [rows] int64 on the device, else row r uses base_seed + r.
     `chunk`: tokens of a row per program of the first launch, a power of two >= 1024; it and
     num_warps are for tuning (bench/sampler_probe.py). Returns the sampled token ids, [rows]
     int64."""
@@ -124,13 +124,15 @@ def categorical_sample(logits: torch.Tensor, temperature: torch.Tensor, base_see
     f32 = dict(dtype=torch.float32, device=logits.device)
     tops, masses = torch.empty(rows, num_chunks, **f32), torch.empty(rows, num_chunks, **f32)
     args = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
+    # contiguous: a strided column read in place would be another kernel variant (Triton
+    # specializes a stride of 1), compiled inside the first served step, not at configure
+    temperature = temperature.contiguous()
     _chunk_kernel[(rows, num_chunks)](logits, temperature, tops, masses, args, vocab,
-                                      logits.stride(0), temperature.stride(0), num_chunks,
-                                      CHUNK=chunk, num_warps=num_warps)
+                                      logits.stride(0), num_chunks, CHUNK=chunk,
+                                      num_warps=num_warps)
     _pick_kernel[(rows,)](
         logits, temperature, row_seeds if row_seeds is not None else temperature, tops, masses,
-        args, out, vocab, logits.stride(0), temperature.stride(0), base_seed % (1 << 62),
-        num_chunks,
+        args, out, vocab, logits.stride(0), base_seed % (1 << 62), num_chunks,
         HAS_ROW_SEEDS=row_seeds is not None, CHUNK=chunk,
         CHUNKS=max(2, triton.next_power_of_2(num_chunks)), num_warps=8)
     return out
