@@ -65,7 +65,7 @@ for stage in "$@"; do
     runner) timeout 500 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
              tests/dataplane/test_moe_vs_hf.py tests/dataplane/kernels/test_categorical_sample.py \
-             tests/dataplane/kernels/test_elementwise.py \
+             tests/dataplane/kernels/test_elementwise.py tests/dataplane/kernels/test_decode_inputs.py \
              tests/dataplane/kernels/test_splitk_matmul.py > "$OUT/runner.log" 2>&1
            grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/runner.log" | tail -60 ;;
     tp2-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \

@@ -8,13 +8,16 @@ few hundred (~10 kernels a layer, each 20-40 us of Python and Triton binding whe
 
 Each graph reads fixed input buffers: a step copies its inputs into the first n rows, pads the
 rest of its bucket (slot -1: nothing stored; sequence length 0: nothing read) and replays the
-graphs of the smallest captured size >= n. Prompt steps above MAX_MIXED_TOKENS run eagerly.
+graphs of the smallest captured size >= n (a decode step in one kernel, `decode_inputs`, from
+its staged arrays). Prompt steps above MAX_MIXED_TOKENS run eagerly.
 """
+
+from dataclasses import fields
 
 import torch
 
 from dataplane.forward_context import ForwardContext, forward_context
-from dataplane.input_batch import StepInputs
+from dataplane.input_batch import InputBatch, StagedStep, StepInputs
 from dataplane.layers.attention import Attention
 
 
@@ -43,12 +46,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int,
-                 max_model_len: int, device: torch.device) -> None:
+    """Decode steps: the graphs read the batch's token and block tables (`InputBatch`) through
+    the buffers `decode_inputs` fills before each replay."""
+
+    def __init__(self, model: torch.nn.Module, batch: InputBatch) -> None:
         self.model = model
-        self.sizes = capture_sizes(max_num_seqs)
-        self.max_model_len = max_model_len
-        n = max_num_seqs
+        self.batch = batch
+        limits, device = batch.limits, batch.device
+        self.sizes = capture_sizes(limits.max_num_seqs)
+        self.max_model_len = limits.max_model_len
+        n, max_blocks_per_seq = limits.max_num_seqs, limits.max_blocks_per_seq
         self.inputs = StepBuffers(n, device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -69,6 +76,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        none = torch.empty(0, dtype=torch.int64, device=self.seq_lens.device)
+        self._fill(StagedStep(*[none] * len(fields(StagedStep))), self.sizes[0])  # compiles it
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller ones reuse its memory
             with forward_context(self._context(size)):
@@ -81,21 +90,26 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def fits(self, inputs: StepInputs) -> bool:
-        ctx = inputs.context
-        return ctx.max_query_len == 1 and ctx.num_reqs <= self.sizes[-1]
+        return inputs.max_query_len == 1 and inputs.num_reqs <= self.sizes[-1]
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The step's logits (rank 0; None elsewhere), every request sampling one token."""
-        ctx = inputs.context
-        n = ctx.num_reqs
+        """The step's logits (rank 0; None elsewhere), every request sampling one token.
+        inputs: staged only (`InputBatch.stage`)."""
+        n = inputs.num_reqs
         size = next(s for s in self.sizes if s >= n)
-        self.inputs.load(inputs, size)
-        self.seq_lens[:n] = ctx.seq_lens
-        self.seq_lens[n:size] = 0
-        self.block_tables[:n, :ctx.block_tables.shape[1]] = ctx.block_tables
+        self._fill(inputs.staged, size)
         graph, logits = self.graphs[size]
         graph.replay()
         return None if logits is None else logits[:n]
+
+    def _fill(self, s: StagedStep, size: int) -> None:
+        from dataplane.kernels.decode_inputs import decode_inputs  # CUDA only: imports triton
+        buffers = self.inputs
+        decode_inputs(s.positions, s.token_index, s.slot_mapping, s.seq_lens, s.slots,
+                      s.new_start, s.new_count, s.new_column, s.new_blocks,
+                      self.batch.token_ids, self.batch.block_table_device, buffers.token_ids,
+                      buffers.positions, buffers.slot_mapping, self.seq_lens,
+                      self.block_tables, size, self.batch.limits.block_size)
 
 
 # The largest prompt step the graphs take; the KV budget sets aside their pool (one forward's
@@ -206,7 +220,7 @@ class MixedGraphs:
         torch.cuda.synchronize()
 
     def fits(self, inputs: StepInputs) -> bool:
-        return inputs.token_ids.shape[0] <= self.sizes[-1]
+        return inputs.num_tokens <= self.sizes[-1]
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The step's logits (rank 0; None elsewhere)."""

@@ -9,9 +9,11 @@ mapping) and are mirrored on the device (for the attention kernels); a step carr
 appended blocks. Counts (tokens, blocks) stay on the host: they are known when a step is built.
 Per step, the host computes positions, token indices and slot mappings with a few vectorized
 numpy ops (a fraction of a torch CPU op's fixed cost each) straight into a pinned staging buffer
-and moves them in one copy; no Python loop runs over tokens. Sampling parameters live in a
-per-slot table mirrored on the device: a step gathers its rows there, and the host decides from
-its copy which sampling features run, so nothing waits for the device.
+and moves them in one copy (`stage`); no Python loop runs over tokens. A decode step that
+replays a CUDA graph goes from there with one kernel (kernels/decode_inputs.py); other steps
+build their tensors with torch ops (`prepare`). Sampling parameters live in a per-slot table
+mirrored on the device: a step gathers its rows there, and the host decides from its copy which
+sampling features run, so nothing waits for the device.
 """
 
 from dataclasses import dataclass
@@ -38,14 +40,53 @@ class BatchLimits:
 
 
 @dataclass
+class StagedStep:
+    """A step's per-token and per-request arrays on the device: int64 views of one copy from
+    the host (no kernel made them)."""
+
+    positions: torch.Tensor  # [num_tokens]
+    token_index: torch.Tensor  # [num_tokens]: index into the flattened token table
+    slot_mapping: torch.Tensor  # [num_tokens]
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
+    seq_lens: torch.Tensor  # [num_reqs]
+    slots: torch.Tensor  # [num_reqs]
+    logits_indices: torch.Tensor  # [num_sampled]
+    sampled_index: torch.Tensor  # [num_sampled]: where each sampled token goes in the table
+    sampled_slots: torch.Tensor  # [num_sampled]
+    # The blocks this step appends, per request: the first one's index into new_blocks, their
+    # count and the column of the first; and per block: its slot, column and id.
+    new_start: torch.Tensor  # [num_reqs]
+    new_count: torch.Tensor  # [num_reqs]
+    new_column: torch.Tensor  # [num_reqs]
+    new_owner: torch.Tensor  # [num_new_blocks]
+    new_columns: torch.Tensor  # [num_new_blocks]
+    new_blocks: torch.Tensor  # [num_new_blocks]
+
+
+@dataclass
 class StepInputs:
-    token_ids: torch.Tensor  # [num_tokens] int64, device
-    positions: torch.Tensor  # [num_tokens] int64, device
-    context: ForwardContext
+    """One step's inputs. `staged` always; the eager tensors (token ids, positions, forward
+    context) only when `InputBatch.prepare` built them: a replayed decode graph fills its own
+    buffers from `staged` in one kernel instead."""
+
+    staged: StagedStep
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
     sampled_slots: np.ndarray  # [num_sampled] int64, host: slots that produce a token
-    sampled_slots_device: torch.Tensor  # the same, on the device
-    # [num_sampled] int64, device: where each sampled token goes in the token table
-    sampled_index: torch.Tensor
+    host_query_start_loc: np.ndarray  # [num_reqs + 1] int64, what staged holds
+    host_seq_lens: np.ndarray  # [num_reqs] int64
+    token_ids: torch.Tensor | None = None  # [num_tokens] int64, device
+    positions: torch.Tensor | None = None  # [num_tokens] int64, device
+    context: ForwardContext | None = None
+
+    @property
+    def sampled_slots_device(self) -> torch.Tensor:
+        return self.staged.sampled_slots
+
+    @property
+    def sampled_index(self) -> torch.Tensor:
+        return self.staged.sampled_index
 
 
 def _i32(data: bytes) -> np.ndarray:
@@ -127,20 +168,21 @@ class InputBatch:
         self.limits = limits
         self.device = device
         s, max_blocks = limits.max_num_seqs, limits.max_blocks_per_seq
-        self.token_ids = torch.zeros(s, limits.max_model_len, dtype=torch.int32, device=device)
+        # int64, the dtype the embedding takes and the sampler returns: no casts per step
+        self.token_ids = torch.zeros(s, limits.max_model_len, dtype=torch.int64, device=device)
         self.num_tokens = np.zeros(s, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(s, dtype=np.int64)
         self.block_table = np.zeros((s, max_blocks), dtype=np.int32)
         self.block_table_device = torch.zeros(s, max_blocks, dtype=torch.int32, device=device)
         self.num_blocks = np.zeros(s, dtype=np.int64)
         self.params = _SlotParams(s)
-        # positions, token indices, slot mapping (per token); query starts, lengths, slots
-        # (per request); logits rows, sampled slots; block-table updates (three per new block)
+        # StagedStep's arrays: three per token, nine per request (query starts one more, logits
+        # rows, sampled index and slots at most one each), three per new block
         tokens, reqs = limits.max_num_batched_tokens, limits.max_num_seqs
-        self._staging = _Staging(3 * tokens + 6 * reqs + 2 + 3 * s * max_blocks, device)
+        self._staging = _Staging(3 * tokens + 9 * reqs + 1 + 3 * s * max_blocks, device)
         self._param_staging = _Staging(self.params.table.size, device, torch.float32)
-        self._prompt_staging = _Staging(2 * (tokens + limits.max_model_len), device, torch.int32)
-        self._pending_blocks: tuple[np.ndarray, ...] | None = None
+        self._prompt_staging = _Staging(2 * (tokens + limits.max_model_len), device)
+        self._new_blocks: list[np.ndarray] | None = None  # StagedStep's new_*, set by apply()
 
     # -- deltas --------------------------------------------------------------------------------
 
@@ -153,10 +195,9 @@ class InputBatch:
         if step.new_requests:
             self._add(step.new_requests)
         slots = _i32(step.slots).astype(np.int64)
-        self._pending_blocks = None
-        if len(step.new_block_ids):
-            self._append_blocks(slots, _i32(step.num_new_blocks).astype(np.int64),
-                                _i32(step.new_block_ids))
+        counts = (_i32(step.num_new_blocks).astype(np.int64) if len(step.new_block_ids)
+                  else np.zeros(len(slots), dtype=np.int64))
+        self._append_blocks(slots, counts, _i32(step.new_block_ids))
         return (slots, _i32(step.num_computed_tokens).astype(np.int64),
                 _i32(step.num_scheduled_tokens).astype(np.int64))
 
@@ -174,24 +215,28 @@ class InputBatch:
         index = np.concatenate([new.slot * max_len + np.arange(len(t))
                                 for new, t in zip(new_requests, tokens)])
         values, index_d = self._prompt_staging.to_device([np.concatenate(tokens), index])
-        self.token_ids.view(-1)[index_d.long()] = values
+        self.token_ids.view(-1)[index_d] = values
 
     def _append_blocks(self, slots: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
         owner = np.repeat(slots, counts)  # [num_new_blocks]: slot of each new block
         first = np.cumsum(counts) - counts
-        column = self.num_blocks[owner] + np.arange(len(block_ids)) - np.repeat(first, counts)
+        first_column = self.num_blocks[slots]  # a slot is scheduled at most once a step
+        column = np.repeat(first_column - first, counts) + np.arange(len(block_ids))
         self.block_table[owner, column] = block_ids
-        np.add.at(self.num_blocks, slots, counts)
-        self._pending_blocks = (owner, column, block_ids)  # mirrored in prepare()
+        self.num_blocks[slots] += counts
+        self._new_blocks = [first, counts, first_column, owner, column, block_ids]
 
     # -- one step ------------------------------------------------------------------------------
 
-    def prepare(self, slots: np.ndarray, num_computed: np.ndarray,
-                num_scheduled: np.ndarray) -> StepInputs:
+    def stage(self, slots: np.ndarray, num_computed: np.ndarray,
+              num_scheduled: np.ndarray) -> StepInputs:
+        """The step's arrays computed on the host and moved to the device in one copy; nothing
+        else runs on the device (a decode graph's `decode_inputs` kernel takes it from here)."""
         block_size, max_len = self.limits.block_size, self.limits.max_model_len
         seq_lens = num_computed + num_scheduled
         assert (seq_lens <= self.num_tokens[slots]).all(), "scheduled past the known tokens"
         assert (seq_lens <= self.num_blocks[slots] * block_size).all(), "tokens without blocks"
+        assert self._new_blocks is not None, "apply() the step first"
         query_start_loc = np.zeros(len(slots) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         token_slot = np.repeat(slots, num_scheduled)  # [num_tokens]
@@ -204,50 +249,56 @@ class InputBatch:
         sampled_slots = slots[is_sampled]
         sampled_index = sampled_slots * max_len + seq_lens[is_sampled]
         parts = [positions, token_slot * max_len + positions, slot_mapping, query_start_loc,
-                 seq_lens, slots, logits_indices, sampled_index, sampled_slots]
-        if self._pending_blocks is not None:
-            parts.extend(self._pending_blocks)
-        device_parts = self._staging.to_device(parts)
-        positions_d, token_index_d, slot_mapping_d, qsl_d, seq_lens_d, slots_d, logits_d, \
-            sampled_index_d, sampled_slots_d = device_parts[:9]
-        if self._pending_blocks is not None:
-            owner_d, column_d, ids_d = device_parts[9:]
-            self.block_table_device[owner_d, column_d] = ids_d.int()
-            self._pending_blocks = None
-        max_blocks = int(-(-seq_lens.max() // block_size))
-        seq_lens_host = seq_lens.tolist()
-        context = ForwardContext(
-            query_start_loc=qsl_d.int(), seq_lens=seq_lens_d.int(), slot_mapping=slot_mapping_d,
-            block_tables=self.block_table_device[slots_d, :max_blocks],
-            logits_indices=logits_d, max_query_len=int(num_scheduled.max()),
-            max_seq_len=max(seq_lens_host), query_start_loc_host=query_start_loc.tolist(),
+                 seq_lens, slots, logits_indices, sampled_index, sampled_slots, *self._new_blocks]
+        self._new_blocks = None
+        staged = StagedStep(*self._staging.to_device(parts))
+        return StepInputs(staged, num_reqs=len(slots), num_tokens=int(query_start_loc[-1]),
+                          max_query_len=int(num_scheduled.max()), sampled_slots=sampled_slots,
+                          host_query_start_loc=query_start_loc, host_seq_lens=seq_lens)
+
+    def prepare(self, inputs: StepInputs) -> StepInputs:
+        """A staged step's eager tensors: its token ids, the forward context, and the device's
+        block mirror updated with the step's new blocks first."""
+        staged = inputs.staged
+        if staged.new_blocks.numel():
+            self.block_table_device[staged.new_owner, staged.new_columns] = \
+                staged.new_blocks.int()
+        max_blocks = int(-(-inputs.host_seq_lens.max() // self.limits.block_size))
+        seq_lens_host = inputs.host_seq_lens.tolist()
+        inputs.context = ForwardContext(
+            query_start_loc=staged.query_start_loc.int(), seq_lens=staged.seq_lens.int(),
+            slot_mapping=staged.slot_mapping,
+            block_tables=self.block_table_device[staged.slots, :max_blocks],
+            logits_indices=staged.logits_indices, max_query_len=inputs.max_query_len,
+            max_seq_len=max(seq_lens_host),
+            query_start_loc_host=inputs.host_query_start_loc.tolist(),
             seq_lens_host=seq_lens_host)
-        token_ids = self.token_ids.view(-1)[token_index_d].long()
-        return StepInputs(token_ids, positions_d, context, sampled_slots, sampled_slots_d,
-                          sampled_index_d)
+        inputs.token_ids = self.token_ids.view(-1)[staged.token_index]
+        inputs.positions = staged.positions
+        return inputs
 
     def append_sampled(self, inputs: StepInputs, token_ids: torch.Tensor) -> None:
         """Record tokens sampled on the device (their values stay there)."""
-        self.token_ids.view(-1)[inputs.sampled_index] = token_ids.to(torch.int32)
+        self.token_ids.view(-1)[inputs.sampled_index] = token_ids
         self.num_tokens[inputs.sampled_slots] += 1
 
     def sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
         p, c = self.params, _SlotParams
         slots = inputs.sampled_slots
-        if p.dirty or p.device_table is None:
-            [table] = self._param_staging.to_device([p.table.reshape(-1)])
-            p.device_table, p.dirty = table.view(p.table.shape), False
-        rows = p.device_table[inputs.sampled_slots_device]  # [rows, columns], device
+        if p.dirty or p.device_table is None:  # column-major: a gathered column is contiguous
+            [table] = self._param_staging.to_device([p.table.T.reshape(-1)])
+            p.device_table, p.dirty = table.view(p.table.shape[::-1]), False
+        columns = p.device_table[:, inputs.sampled_slots_device]  # [columns, rows], device
         host = p.table[slots]  # the same, host
         num_output = self.num_tokens[slots] - self.num_prompt_tokens[slots]
         seeded = bool(p.has_seed[slots].any())
         penalized = bool(((host[:, c.REPETITION] != 1) | (host[:, c.PRESENCE] != 0)
                           | (host[:, c.FREQUENCY] != 0)).any())
         batch = SamplingBatch(
-            temperature=rows[:, c.TEMPERATURE], top_k=rows[:, c.TOP_K].long(),
-            top_p=rows[:, c.TOP_P], min_p=rows[:, c.MIN_P],
-            presence_penalty=rows[:, c.PRESENCE], frequency_penalty=rows[:, c.FREQUENCY],
-            repetition_penalty=rows[:, c.REPETITION],
+            temperature=columns[c.TEMPERATURE], top_k=columns[c.TOP_K],
+            top_p=columns[c.TOP_P], min_p=columns[c.MIN_P],
+            presence_penalty=columns[c.PRESENCE], frequency_penalty=columns[c.FREQUENCY],
+            repetition_penalty=columns[c.REPETITION],
             seeds=[p.seeds[s] for s in slots.tolist()] if seeded else [],
             output_index=num_output.tolist() if seeded else [],
             output_counts=None, prompt_mask=None, suppress_mask=None,
@@ -270,7 +321,7 @@ class InputBatch:
         """Output-token counts and prompt-token presence, [rows, vocab] each, on the device."""
         slots, vocab = inputs.sampled_slots, self.limits.vocab_size
         width = int(self.num_tokens[slots].max())
-        tokens = self.token_ids[inputs.sampled_slots_device, :width].long()  # [rows, width]
+        tokens = self.token_ids[inputs.sampled_slots_device, :width]  # [rows, width]
         positions = torch.arange(width, device=self.device)
         to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         num_prompt = to_device(self.num_prompt_tokens[slots]).unsqueeze(1)

@@ -127,9 +127,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._compile_kernels(batch_limits, num_blocks)
         if self._uses_graphs:  # each kept only once all of its sizes are captured
-            graphs = DecodeGraphs(self.model, limits.max_num_seqs,
-                                  batch_limits.max_blocks_per_seq, limits.max_model_len,
-                                  self.device)
+            graphs = DecodeGraphs(self.model, self.batch)
             graphs.capture()
             self.graphs = graphs
             if self._uses_prompt_graphs:
@@ -306,9 +304,10 @@ class ModelRunner:
         slots, num_computed, num_scheduled = self.batch.apply(step)
         if len(slots) == 0:
             return None, None
-        inputs = self.batch.prepare(slots, num_computed, num_scheduled)
+        inputs = self.batch.stage(slots, num_computed, num_scheduled)
         if self.graphs is not None and self.graphs.fits(inputs):
             return self.graphs.run(inputs), inputs
+        inputs = self.batch.prepare(inputs)
         if self.mixed_graphs is not None and self.mixed_graphs.fits(inputs):
             return self.mixed_graphs.run(inputs), inputs
         with forward_context(inputs.context):

@@ -47,7 +47,7 @@ class SamplingBatch:
     """Per-row parameters of the rows being sampled, on the logits' device."""
 
     temperature: torch.Tensor  # [rows] float32; 0 = greedy
-    top_k: torch.Tensor  # [rows] int64; 0 = off
+    top_k: torch.Tensor  # [rows] whole numbers (the slot table's float32 column); 0 = off
     top_p: torch.Tensor  # [rows] float32; 1 = off
     min_p: torch.Tensor  # [rows] float32; 0 = off
     presence_penalty: torch.Tensor  # [rows] float32
@@ -156,7 +156,7 @@ def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     vocab = logits.shape[-1]
     ascending, order = logits.sort(dim=-1)  # [rows, vocab]
     if batch.uses.top_k:
-        k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
+        k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab).long()
         kth = ascending.gather(1, (vocab - k).unsqueeze(1))  # [rows, 1]
         ascending = ascending.masked_fill(ascending < kth, float("-inf"))
     if batch.uses.top_p:
