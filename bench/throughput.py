@@ -140,6 +140,7 @@ class HostTimes:
         runner, engine = llm.runner, llm.engine
         self._wrap(runner, "submit")
         self._wrap(runner, "finish")
+        self._wrap(runner.batch, "stage")
         self._wrap(runner.batch, "prepare")
         self._wrap(runner.batch, "sampling_batch")
         self._wrap(engine, "_process")

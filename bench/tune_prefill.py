@@ -1,0 +1,84 @@
+"""Prefill attention configs on the prompt steps workload A runs (DESIGN.md): 16,384 new tokens
+of prompts uniform in [100, 1024] (seed 0; the last one cut to fit), no cached tokens, and
+for comparison on two prompts of 8,192 and on eight 2,048-token chunks after 4,096 cached
+tokens each; Qwen3-0.6B and Qwen3-8B heads. For each: the default config (the one a step
+launches), then each config of the grid; time, TFLOP/s (causal), and the best.
+(bench/kernels.py --sweep times a smaller grid on its fixed cases.)
+
+    PYTHONPATH=.:bench python3 bench/tune_prefill.py tune_prefill.json
+"""
+
+import json
+import random
+import sys
+import time
+
+import torch
+
+import run_info
+from kernels import BLOCK, HEAD_DIM, MODELS, bench_ms, paged_problem, prefill_flops
+
+from dataplane.kernels.paged_prefill_attention import paged_prefill_attention
+
+NUM_TOKENS = 16384
+GRID = [dict(rows=m, BLOCK_N=n, num_warps=w, num_stages=s)
+        for m in (64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def prompt_lens(seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    lens = []
+    while sum(lens) < NUM_TOKENS:
+        lens.append(min(rng.randint(100, 1024), NUM_TOKENS - sum(lens)))
+    return lens
+
+
+def time_config(args: tuple, max_query_len: int, config: dict | None) -> dict:
+    run = lambda: paged_prefill_attention(*args, max_query_len=max_query_len,  # noqa: E731
+                                          config=config)
+    try:
+        run()
+        return dict(ms=bench_ms(run, rep=30))
+    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record, go on
+        return dict(error=f"{type(e).__name__}: {e}"[:300])
+
+
+def tune(model: str, shape: str, lens: list[int], cached: list[int]) -> dict:
+    num_heads = MODELS[model]
+    group = num_heads // 8
+    p = paged_problem(lens, cached, num_heads, BLOCK)
+    args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
+            p["seq_lens"], HEAD_DIM ** -0.5)
+    flops = prefill_flops(lens, cached, num_heads)
+    rows = [dict(config=None, **time_config(args, p["max_query_len"], None))]
+    for c in GRID:
+        config = dict(BLOCK_Q=c["rows"] // group, BLOCK_N=c["BLOCK_N"], num_warps=c["num_warps"],
+                      num_stages=c["num_stages"])
+        rows.append(dict(config=config, **time_config(args, p["max_query_len"], config)))
+    for row in rows:
+        if "ms" in row:
+            row["tflops"] = flops / row["ms"] / 1e9
+        print(model, shape, row, flush=True)
+    timed = [r for r in rows if "ms" in r]
+    return dict(model=model, shape=shape, default=rows[0], best=min(timed, key=lambda r: r["ms"]),
+                rows=rows)
+
+
+def main() -> None:
+    started = time.perf_counter()
+    lens = prompt_lens()
+    cases = {"workload A": (lens, [0] * len(lens)), "2 x 8192": ([8192] * 2, [0, 0]),
+             "8 x 2048 after 4096": ([2048] * 8, [4096] * 8)}
+    shapes = [tune(model, shape, *case) for shape, case in cases.items() for model in MODELS]
+    result = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
+                  torch=torch.__version__, num_tokens=NUM_TOKENS, prompt_lens=lens,
+                  shapes=shapes, seconds=time.perf_counter() - started)
+    for s in shapes:
+        print(f"{s['model']}, {s['shape']}: default {s['default'].get('ms')} ms, best {s['best']['ms']:.4f} ms "
+              f"({s['best']['tflops']:.0f} TFLOP/s) with {s['best']['config']}")
+    with open(sys.argv[1], "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
