@@ -90,7 +90,10 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def fits(self, inputs: StepInputs) -> bool:
-        return inputs.max_query_len == 1 and inputs.num_reqs <= self.sizes[-1]
+        """One token a request, every request sampling (the graphs' LM head projects every
+        row: a one-token prompt chunk that does not end its prompt goes the eager way)."""
+        return (inputs.max_query_len == 1 and len(inputs.sampled_slots) == inputs.num_reqs
+                and inputs.num_reqs <= self.sizes[-1])
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The step's logits (rank 0; None elsewhere), every request sampling one token.
@@ -166,7 +169,8 @@ class MixedGraphs:
             slot_mapping=self.inputs.slot_mapping[:size],
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
             logits_indices=self.inputs.token_ids[:0], max_query_len=size, max_seq_len=size,
-            query_start_loc_host=None, seq_lens_host=None, split_at_attention=split)
+            query_start_loc_host=None, seq_lens_host=None, split_at_attention=split,
+            split_queries=self.q[:size])
 
     def _forward(self, ctx: ForwardContext, size: int) -> torch.Tensor:
         with forward_context(ctx):
@@ -188,7 +192,7 @@ class MixedGraphs:
             pieces[-1].capture_end()
 
         def split(layer: Attention, q: torch.Tensor) -> torch.Tensor:
-            self.q[:size].copy_(q)
+            assert q.data_ptr() == self.q.data_ptr(), "the layer wrote its queries elsewhere"
             end()
             layers.append(layer)
             begin()
@@ -233,6 +237,6 @@ class MixedGraphs:
         with forward_context(ctx):
             for piece, layer in zip(pieces, layers):
                 piece.replay()
-                out.copy_(layer.attend(q))
+                layer.attend(q, out=out)
             pieces[-1].replay()
             return self.model.compute_logits(hidden[:n])

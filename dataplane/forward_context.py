@@ -38,6 +38,9 @@ class ForwardContext:
     # queries instead of attending (attention runs eagerly between the pieces' replays) and
     # continue with what it returns. (layer, q [T, heads, head_dim]) -> out [T, heads, head_dim]
     split_at_attention: Callable[[object, torch.Tensor], torch.Tensor] | None = None
+    # With split_at_attention: the buffer the layers write their queries into, the one the
+    # runner attends from between the pieces (no copy of a step's queries a layer).
+    split_queries: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -164,6 +164,12 @@ class _Staging:
 
 
 class InputBatch:
+    @staticmethod
+    def device_bytes(limits: BatchLimits) -> int:
+        """What the tables on the device take (the KV budget sets it aside): the token table
+        (int64) and the block mirror (int32)."""
+        return limits.max_num_seqs * (8 * limits.max_model_len + 4 * limits.max_blocks_per_seq)
+
     def __init__(self, limits: BatchLimits, device: torch.device) -> None:
         self.limits = limits
         self.device = device
@@ -220,7 +226,9 @@ class InputBatch:
     def _append_blocks(self, slots: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
         owner = np.repeat(slots, counts)  # [num_new_blocks]: slot of each new block
         first = np.cumsum(counts) - counts
-        first_column = self.num_blocks[slots]  # a slot is scheduled at most once a step
+        if len(block_ids):  # each request's blocks take its row's next columns
+            assert len(np.unique(slots)) == len(slots), "a slot scheduled twice in one step"
+        first_column = self.num_blocks[slots]
         column = np.repeat(first_column - first, counts) + np.arange(len(block_ids))
         self.block_table[owner, column] = block_ids
         self.num_blocks[slots] += counts

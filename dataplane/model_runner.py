@@ -163,7 +163,8 @@ class ModelRunner:
         use (weights, context) and the peak of a worst-case step (a full prefill plus sampling
         max_num_seqs rows with every sampling feature), measured by running one, and what the
         CUDA graphs keep: 512 MB, plus that peak scaled to the prompt graphs' largest size and
-        what those graphs hold besides (MixedGraphs.held_bytes)."""
+        what those graphs hold besides (MixedGraphs.held_bytes); and the batch's token and
+        block tables (InputBatch.device_bytes)."""
         if self.device.type == "cpu":
             return int(self.config.cpu_kv_cache_gib * (1 << 30))
         torch.cuda.synchronize()
@@ -175,7 +176,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated() - before
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        graphs_and_slack = 512 << 20
+        graphs_and_slack = (512 << 20) + InputBatch.device_bytes(limits)
         if self._uses_prompt_graphs:
             # the prompt graphs' pool keeps one forward's activations at their largest size
             share = min(1.0, MAX_MIXED_TOKENS / limits.max_num_batched_tokens)

@@ -14,14 +14,16 @@ class AttentionBackend(Protocol):
     block_size: int | None
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: ForwardContext, scale: float) -> torch.Tensor:
+                ctx: ForwardContext, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Attend causally over each request's cached tokens, the step's new ones included:
         their k/v are already in the cache (the attention layer stores them at
         `ctx.slot_mapping` first).
 
         q: [num_tokens, num_heads, head_dim];
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-        Returns [num_tokens, num_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+        out: where to write the result (q's shape and dtype, head_dim contiguous), else a new
+        tensor. Returns [num_tokens, num_heads, head_dim].
         """
         ...
 

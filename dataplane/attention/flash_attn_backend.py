@@ -26,14 +26,15 @@ class FlashAttention4:
         self.varlen_fn = varlen_fn  # flash_attn.cute.flash_attn_varlen_func
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: ForwardContext, scale: float) -> torch.Tensor:
+                ctx: ForwardContext, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         # Causal masks align to the end of each sequence: query i of a request sees keys up to
         # seqused_k - q_len + i, which is our position convention.
-        out, _ = self.varlen_fn(q, k_cache, v_cache, cu_seqlens_q=ctx.query_start_loc,
-                                max_seqlen_q=ctx.max_query_len, seqused_k=ctx.seq_lens,
-                                max_seqlen_k=ctx.max_seq_len, page_table=ctx.block_tables,
-                                softmax_scale=scale, causal=True)
-        return out
+        result, _ = self.varlen_fn(q, k_cache, v_cache, cu_seqlens_q=ctx.query_start_loc,
+                                   max_seqlen_q=ctx.max_query_len, seqused_k=ctx.seq_lens,
+                                   max_seqlen_k=ctx.max_seq_len, page_table=ctx.block_tables,
+                                   softmax_scale=scale, causal=True)
+        return _into(out, result)
 
 
 class FlashAttention2:
@@ -45,16 +46,23 @@ class FlashAttention2:
         self.kvcache_fn = kvcache_fn  # flash_attn.flash_attn_with_kvcache
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: ForwardContext, scale: float) -> torch.Tensor:
+                ctx: ForwardContext, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
-            out = self.kvcache_fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.seq_lens,
-                                  block_table=ctx.block_tables, softmax_scale=scale, causal=True)
-            return out.squeeze(1)  # [num_reqs, heads, head_dim]
+            result = self.kvcache_fn(q.unsqueeze(1), k_cache, v_cache,
+                                     cache_seqlens=ctx.seq_lens, block_table=ctx.block_tables,
+                                     softmax_scale=scale, causal=True)
+            return _into(out, result.squeeze(1))  # [num_reqs, heads, head_dim]
         cu_seqlens_k = F.pad(torch.cumsum(ctx.seq_lens, 0, dtype=torch.int32), (1, 0))
-        return self.varlen_fn(q, k_cache, v_cache, cu_seqlens_q=ctx.query_start_loc,
-                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=ctx.max_query_len,
-                              max_seqlen_k=ctx.max_seq_len, softmax_scale=scale, causal=True,
-                              block_table=ctx.block_tables)
+        return _into(out, self.varlen_fn(
+            q, k_cache, v_cache, cu_seqlens_q=ctx.query_start_loc, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=ctx.max_query_len, max_seqlen_k=ctx.max_seq_len, softmax_scale=scale,
+            causal=True, block_table=ctx.block_tables))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """The FlashAttention functions write where they choose: copy into `out` when one is given."""
+    return result if out is None else out.copy_(result)
 
 
 def load_flash_attn() -> FlashAttention4 | FlashAttention2 | None:

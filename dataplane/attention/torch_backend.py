@@ -29,8 +29,9 @@ class TorchAttention:
     block_size: int | None = None  # any
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: ForwardContext, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
+                ctx: ForwardContext, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty_like(q) if out is None else out
         starts = ctx.query_start_loc_host
         for i, seq_len in enumerate(ctx.seq_lens_host):
             start, end = starts[i], starts[i + 1]

@@ -25,12 +25,13 @@ class TritonAttention:
         self.num_programs = num_programs
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: ForwardContext, scale: float) -> torch.Tensor:
+                ctx: ForwardContext, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
             return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
-                                          scale, plan=self._plan(q, k_cache, ctx))
+                                          scale, out=out, plan=self._plan(q, k_cache, ctx))
         num_decodes = ctx.num_decodes  # served by the decode kernel, the rest by the prefill one
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         if num_decodes:
             decodes = q[:num_decodes]
             paged_decode_attention(decodes, k_cache, v_cache, ctx.block_tables[:num_decodes],

@@ -74,14 +74,15 @@ def _qk_norm_rope_store_kernel(
 def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                        eps: float, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       q_out: torch.Tensor | None = None) -> torch.Tensor:
     """positions: [num_tokens] int64; q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens,
     num_kv_heads, head_dim] (rows may be strided, e.g. views of the fused QKV output; head_dim
     contiguous); weights: [head_dim]; cos_sin_cache: [max_position, head_dim] float32 (cos,
     then sin); k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one set of
     strides; slot_mapping: [num_tokens] int64, negative = skip (store_kv's contract).
     Writes the normalized, rotated k and the given v at their slots; returns the normalized,
-    rotated q, new and contiguous."""
+    rotated q in q_out (q's shape and dtype, contiguous) or, without it, a new tensor."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)
@@ -98,7 +99,9 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(3) == 1
     block_size = k_cache.shape[1]
     assert block_size & (block_size - 1) == 0, "block_size: a power of two"
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q_out is None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert q_out.shape == q.shape and q_out.dtype == q.dtype and q_out.is_contiguous()
     if num_tokens == 0:
         return q_out
     _qk_norm_rope_store_kernel[(num_tokens,)](

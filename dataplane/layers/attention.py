@@ -54,12 +54,14 @@ class Attention(nn.Module):
         from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
         ctx = self._context()
         q = qk_norm_rope_store(positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps,
-                               cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping)
+                               cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping,
+                               q_out=ctx.split_queries)
         if ctx.split_at_attention is not None:  # capturing a piecewise graph: attend later
             return ctx.split_at_attention(self, q)
         return self.backend.forward(q, self.k_cache, self.v_cache, ctx, self.scale)
 
-    def attend(self, q: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention alone, its k/v already stored: what a piecewise graph's replay runs
-        eagerly between two pieces."""
-        return self.backend.forward(q, self.k_cache, self.v_cache, self._context(), self.scale)
+        eagerly between two pieces (into `out`, the buffer the next piece reads)."""
+        return self.backend.forward(q, self.k_cache, self.v_cache, self._context(), self.scale,
+                                    out=out)
