@@ -137,9 +137,12 @@ def _prefill_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-# The longest query a step may have for the small tiles: on workload A's prompt steps (16k
-# tokens of prompts of 100-1024) 64 rows, 32-key tiles, 4 warps and 2 stages took 219 us against
-# 275 for 128 / 64 / 8 / 3 (Qwen3-0.6B heads; 8B: 389 against 488; tune_prefill-789baa0.json)
+# The longest query a step may have for 64-row tiles: on workload A's prompt steps (16k tokens
+# of prompts of 100-1024) 64 rows, 32-key tiles, 4 warps and 2 stages took 219 us against 275
+# for the earlier 128 / 64 / 8 / 3 (Qwen3-0.6B heads; 8B: 389 against 488;
+# tune_prefill-789baa0.json). Longer prompts keep 128 rows, with 32-key tiles and 4 warps: 2-9%
+# under 128 / 64 / 8 / 3 on two prompts of 8192 and on 2048-token chunks after 4096 cached
+# tokens, within 4% of the best there (tune_prefill-0e8014c.json).
 SMALL_TILES_MAX_QUERY = 1024
 
 
@@ -153,9 +156,8 @@ def _config(dtype: torch.dtype, head_dim: int, group_p: int, max_query_len: int)
                     num_warps=4, num_stages=2)
     small = max_query_len <= SMALL_TILES_MAX_QUERY
     block_m = min(64 if small else 128, max(16, triton.next_power_of_2(max_query_len * group_p)))
-    return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=32 if small else 64,
-                DOT_PRECISION="tf32", num_warps=8 if block_m >= 128 else 4,
-                num_stages=2 if small or head_dim > 128 else 3)
+    return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=32, DOT_PRECISION="tf32",
+                num_warps=4, num_stages=2 if small or head_dim > 128 else 3)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -31,18 +31,30 @@ def greedy(model, n, max_num_batched_tokens=512, **options):
         llm.close()
 
 
+# bf16 weights of the test model (std 0.2) move logprobs by ~0.05-0.1
+BF16_LOGPROB_TOLERANCE = 0.15
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_bf16_on_cuda_keeps_the_first_greedy_tokens_and_close_logprobs(checkpoints, backend):
+    """The first two tokens are float32 transformers' greedy ones wherever its top two
+    candidates are further apart than bf16 can move them (two tolerances); where they are
+    nearer, bf16 may pick either, and the pick must be that close to the best (the third
+    prompt's first top two are 0.028 apart: a change of tile sizes at 0e8014c flipped it)."""
     model = checkpoints["untied"]
     got = greedy(model, 4, device="cuda", dtype="bfloat16", attention_backend=backend,
                  enforce_eager=True)
     for prompt, completion in zip(PROMPTS, got):
-        assert completion.token_ids[:2] == hf_greedy(model, prompt, 2)
         reference = hf_logprobs(model, prompt + completion.token_ids)
         for i, lp in enumerate(completion.logprobs):
             row = reference[len(prompt) - 1 + i]
-            # bf16 weights of this test model (std 0.2) move logprobs by ~0.05-0.1
-            assert abs(lp.logprob - row[completion.token_ids[i]].item()) < 0.15
+            token = completion.token_ids[i]
+            if i < 2:
+                top2 = row.topk(2).values
+                if top2[0] - top2[1] > 2 * BF16_LOGPROB_TOLERANCE:
+                    assert token == row.argmax().item()
+                assert row[token] >= top2[0] - 2 * BF16_LOGPROB_TOLERANCE
+            assert abs(lp.logprob - row[token].item()) < BF16_LOGPROB_TOLERANCE
 
 
 def test_float32_on_cuda_equals_transformers_with_graphs_and_eager(checkpoints):
