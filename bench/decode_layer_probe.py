@@ -12,7 +12,8 @@ layers with distinct weights (as a step meets them), per batch size:
    o_proj / down_proj (splitk_matmul.MAX_ROWS lifted).
 
 Microseconds a layer. `python3 bench/decode_layer_probe.py $OUT/decode_layer.json`
-(PYTHONPATH: the repo and bench/).
+(PYTHONPATH: the repo and bench/). With `--sweep` it runs only 1. at 64-256 rows over a wider
+grid (BLOCK_M up to 128, 8 warps, 4 stages): tiles for workload A's large batches.
 """
 
 import itertools
@@ -41,6 +42,10 @@ LONG = [(160, 640), (256, 640)]  # (rows, keys)
 DTYPE = torch.bfloat16
 CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=3)
            for n, k in itertools.product((32, 64, 128), (64, 128))]  # BLOCK_M: by the rows
+SWEEP_ROWS = [64, 128, 160, 192, 256]
+SWEEP_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+                 for m, n, k, w, s in itertools.product((64, 128), (64, 128), (64, 128), (4, 8),
+                                                        (3, 4))]
 
 
 def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -111,8 +116,9 @@ def row_parallel(x: torch.Tensor, w: torch.Tensor, splitk: bool) -> torch.Tensor
     return F.linear(x, w)
 
 
-def gemm_alone(layers: Layers, name: str) -> dict:
-    """qkv_proj or gate_up_proj (+ SiLU) alone: cuBLAS, then each config, with PDL."""
+def gemm_alone(layers: Layers, name: str, configs: list[dict] = CONFIGS) -> dict:
+    """qkv_proj or gate_up_proj (+ SiLU) alone: cuBLAS, then each config (BLOCK_M by the rows
+    where it names none), with PDL."""
     weights = layers.qkv if name == "qkv" else layers.gate_up
     gated = name == "gate_up"
     x = layers.x
@@ -125,8 +131,8 @@ def gemm_alone(layers: Layers, name: str) -> dict:
 
     result = dict(cublas_us=graph_us(cublas) / LAYERS, configs=[])
     expected = decode_matmul_ref(x, weights[0], gated)
-    for cfg in CONFIGS:
-        cfg = dict(cfg, BLOCK_M=min(64, max(16, 1 << (layers.rows - 1).bit_length())))
+    for cfg in configs:
+        cfg = dict(BLOCK_M=min(64, max(16, 1 << (layers.rows - 1).bit_length()))) | cfg
         try:
             us = graph_us(lambda: [decode_matmul(x, w, gated=gated, config=cfg)
                                    for w in weights]) / LAYERS
@@ -145,9 +151,28 @@ def strip(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in ("us", "max_abs_diff")}
 
 
+def sweep(report: dict) -> None:
+    """The two GEMMs alone at SWEEP_ROWS over SWEEP_CONFIGS (PDL as the step runs them)."""
+    for rows in SWEEP_ROWS:
+        layers = Layers(rows)
+        pdl.set_enabled(True)
+        alone = {name: gemm_alone(layers, name, SWEEP_CONFIGS) for name in ("qkv", "gate_up")}
+        report["shapes"].append(dict(rows=rows, alone=alone))
+        for name, r in alone.items():
+            top = sorted((c for c in r["configs"] if "us" in c), key=lambda c: c["us"])[:3]
+            print(f"{rows:3d} rows {name:7s}: cuBLAS {r['cublas_us']:.2f} us; ours " + "; ".join(
+                f"{c['us']:.2f} {strip(c)} (diff {c['max_abs_diff']:.1e})" for c in top),
+                flush=True)
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def main() -> None:
     torch.manual_seed(0)
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(), shapes=[])
+    if "--sweep" in sys.argv:
+        sweep(report)
+        return
     for rows in ROWS:
         layers = Layers(rows)
         pdl.set_enabled(True)

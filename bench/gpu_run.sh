@@ -21,10 +21,12 @@
 #   sampler        the CUDA sampler by chunk size and warps at 1-256 rows
 #   splitk         split-K o_proj/down_proj with the partials summed by the norm, against cuBLAS
 #   decode-layer   a decode layer with our GEMMs against cuBLAS's, with and without PDL
+#   gemm-tiles     decode_matmul and split-K tiles at 64-256 rows (both probes' --sweep)
 #   gemm-tests     the decode GEMM, split-K, elementwise and decode attention kernels' tests
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise;
-#                  bench-0.6b-nopdl: both modes without programmatic dependent launch
+#                  bench-0.6b-nopdl: both modes without programmatic dependent launch;
+#                  bench-0.6b-fa4: in-process with the flash_attn backend (carry .fa4)
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
 #                  bench-0.6b-tp2: split at TP=2 (the two-GPU machine)
 #   serving-0.6b   bench/serving.py: Poisson arrivals, TTFT/TPOT/ITL, with and without a front-end
@@ -108,6 +110,10 @@ for stage in "$@"; do
              2>&1 | grep -v Warning | tail -20 ;;
     decode-layer) timeout 300 python3 bench/decode_layer_probe.py "$OUT/decode_layer.json" 2>&1 \
              | grep -v Warning | tail -14 ;;
+    gemm-tiles) timeout 280 python3 bench/decode_layer_probe.py "$OUT/decode_layer_sweep.json" \
+             --sweep 2>&1 | grep -v Warning | tail -12
+           timeout 280 python3 bench/splitk_probe.py "$OUT/splitk_sweep.json" --sweep 2>&1 \
+             | grep -v Warning | tail -8 ;;
     gemm-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/kernels/test_decode_matmul.py \
              tests/dataplane/kernels/test_splitk_matmul.py tests/dataplane/kernels/test_elementwise.py \
@@ -121,6 +127,8 @@ for stage in "$@"; do
              | grep -v Warning | tee "$OUT/profile-32.log" | tail -70 ;;
     bench-0.6b) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-nopdl) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --no-pdl --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-0.6b-fa4) timeout 240 python3 bench/throughput.py --model qwen3-0.6b --modes inprocess \
+             --attention-backend flash_attn --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-8b) timeout 240 python3 bench/throughput.py --model qwen3-8b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-30b) timeout 300 python3 bench/throughput.py --model qwen3-30b-a3b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-si4) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --stream-interval 4 --out-dir "$OUT" 2>&1 | tail -20 ;;

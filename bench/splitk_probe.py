@@ -5,7 +5,10 @@ distinct weights (as a step meets them), per batch size: cuBLAS's F.linear then
 fused_add_rms_norm, against splitk_matmul then fused_add_rms_norm_parts for each tile config
 (BLOCK_M: splitk_config's); microseconds a layer, and the partials' error.
 
-    PYTHONPATH=$PWD:$PWD/bench python3 bench/splitk_probe.py $OUT/splitk.json
+    PYTHONPATH=$PWD:$PWD/bench python3 bench/splitk_probe.py $OUT/splitk.json [--sweep]
+
+--sweep: only the 0.6B layers at 160-256 rows (workload A's large batches, where cuBLAS runs them
+now) over a wider grid: BLOCK_M up to 128, 8 warps.
 """
 
 import itertools
@@ -29,13 +32,18 @@ SHAPES = {"0.6b o_proj": (1024, 2048, [1, 8, 32, 64, 128, 256]),
           "8b o_proj": (4096, 4096, [8, 64, 128]), "8b down_proj": (4096, 12288, [8, 64, 128])}
 CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, SPLITS=s, num_warps=4, num_stages=3)
            for n, k, s in itertools.product((64, 128), (64, 128), (2, 4, 8, 16))]
+SWEEP_SHAPES = {"0.6b o_proj": (1024, 2048, [160, 192, 256]),
+                "0.6b down_proj": (1024, 3072, [160, 192, 256])}
+SWEEP_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, SPLITS=s, num_warps=w, num_stages=3)
+                 for m, n, k, s, w in itertools.product((64, 128), (64, 128), (64, 128), (2, 4, 8),
+                                                        (4, 8))]
 
 
 def layer_us(step) -> float:
     return graph_us(step) / LAYERS
 
 
-def measure(n: int, k: int, rows: int) -> dict:
+def measure(n: int, k: int, rows: int, configs: list[dict] = CONFIGS) -> dict:
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
                for _ in range(LAYERS)]
     norm_weight = torch.ones(n, device="cuda", dtype=torch.bfloat16)
@@ -51,7 +59,7 @@ def measure(n: int, k: int, rows: int) -> dict:
     result = dict(n=n, k=k, rows=rows, cublas_us=layer_us(lambda: cublas(False)),
                   cublas_norm_us=layer_us(lambda: cublas(True)), configs=[])
     expected = F.linear(x, weights[0]).float()
-    for cfg in CONFIGS:
+    for cfg in configs:
         if k % (cfg["SPLITS"] * cfg["BLOCK_K"]):
             continue
         parts = torch.empty(cfg["SPLITS"], rows, n, device="cuda", dtype=torch.float32)
@@ -78,16 +86,17 @@ def measure(n: int, k: int, rows: int) -> dict:
 def main() -> None:
     torch.manual_seed(0)
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(), shapes=[])
-    for name, (n, k, batch_sizes) in SHAPES.items():
+    swept = "--sweep" in sys.argv
+    for name, (n, k, batch_sizes) in (SWEEP_SHAPES if swept else SHAPES).items():
         for rows in batch_sizes:
-            r = measure(n, k, rows) | dict(layer=name)
+            r = measure(n, k, rows, SWEEP_CONFIGS if swept else CONFIGS) | dict(layer=name)
             report["shapes"].append(r)
             ok = [c for c in r["configs"] if "splitk_norm_us" in c]
             best = min(ok, key=lambda c: c["splitk_norm_us"])
             print(f"{name:15s} {rows:3d} rows: cuBLAS {r['cublas_us']:.2f} us, + norm "
                   f"{r['cublas_norm_us']:.2f}; split-K best {best['splitk_us']:.2f}, + norm "
-                  f"{best['splitk_norm_us']:.2f} (BLOCK_N {best['BLOCK_N']} BLOCK_K "
-                  f"{best['BLOCK_K']} SPLITS {best['SPLITS']}; error {best['max_abs_error']:.1e})",
+                  f"{best['splitk_norm_us']:.2f} ({ {k: v for k, v in best.items() if k.isupper()} } "
+                  f"warps {best['num_warps']}; error {best['max_abs_error']:.1e})",
                   flush=True)
             with open(sys.argv[1], "w") as f:
                 json.dump(report, f, indent=1)

@@ -371,6 +371,7 @@ def _save(args, mode: str, result: dict) -> None:
     suffix = f"-si{args.stream_interval}" if mode == "split" and args.stream_interval != 1 else ""
     suffix += f"-fe{args.frontends}" if mode == "split" and args.frontends != 1 else ""
     suffix += "-nopdl" if args.no_pdl else ""
+    suffix += f"-{args.attention_backend}" if args.attention_backend != "auto" else ""
     name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 
