@@ -51,6 +51,8 @@ def _best_gpu_backend() -> str:
     """Our Triton kernels: always installed, any block size, a decode kernel that spreads any
     batch's tiles evenly over the GPU, CUDA-graph capturable without warm-up compiles per shape.
     FlashAttention-4 has no split-KV on Hopper, forces 128-token blocks and takes ~10 s to
-    import; it stays opt-in (`flash_attn`) unless bench/kernels.py shows it ahead on the
-    workloads we serve."""
+    import; it stays opt-in (`flash_attn`). Measured on an H200, workload A in-process
+    (bench/results/h200/qwen3-0.6b-inprocess-tp1{,-flash-attn}-f25a5ea.json): 27,079 tok/s on
+    ours, 21,380 on FA4 (decode steps of 256 rows 5.9 against 8.5 ms, prompt steps 34.9 against
+    37.7 ms)."""
     return "triton"
