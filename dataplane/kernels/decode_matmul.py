@@ -64,28 +64,37 @@ def _decode_matmul_kernel(
 # Qwen3-0.6B layer in CUDA graphs, cuBLAS + PDL against ours + PDL): 27.9 / 27.8 at 1 row,
 # 29.2 / 28.8 at 8, 37.1 / 34.8 at 32; from 64 rows ours loses (44.2 / 46.6 at 64, 55.0 / 58.4
 # at 128): alone, its gate_up + SiLU took 9.0 us at 64 rows against cuBLAS + silu_and_mul's 7.0.
-MAX_ROWS = 32
+# The wider sweep (`--sweep`, decode_layer_sweep-2a21cfb.json) found plain tiles that tie cuBLAS
+# alone at 64 and 128 rows (4.99 / 4.99 us, 5.27 / 5.27), so qkv_proj stays ours up to
+# pdl.MAX_ROWS, where PDL overlaps it with the norm before and the q/k norm after; the gated
+# kernel still loses there (8.4 against 7.2 us) and stops at 32.
+MAX_ROWS = 32  # gated
+MAX_ROWS_PLAIN = 128
 MAX_K = 1024  # Qwen3-0.6B's hidden size; wider inputs keep cuBLAS (not measured)
 # the probe's best at 1-32 rows, plain and gated (BLOCK_M 16 at 1-8 rows; one variant here)
 _CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32", num_warps=4,
                num_stages=3)
+_WIDE_CONFIG = _CONFIG | dict(BLOCK_M=64, num_stages=4)  # the sweep's best at 64 and 128 rows
 # float32 (tests): exact dots, tiles small enough for the tiny checkpoints
 _FLOAT32_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, DOT_PRECISION="ieee", num_warps=4,
                        num_stages=2)
 
 
-def decode_matmul_config(dtype: torch.dtype) -> dict:
-    """The kernel settings for this dtype (shared: copy before changing)."""
-    return _FLOAT32_CONFIG if dtype == torch.float32 else _CONFIG
+def decode_matmul_config(dtype: torch.dtype, num_rows: int = 1) -> dict:
+    """The kernel settings for this dtype and row count (shared: copy before changing)."""
+    if dtype == torch.float32:
+        return _FLOAT32_CONFIG
+    return _CONFIG if num_rows <= MAX_ROWS else _WIDE_CONFIG
 
 
-def decode_matmul_pays(num_rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
+def decode_matmul_pays(num_rows: int, n: int, k: int, dtype: torch.dtype,
+                       gated: bool = False) -> bool:
     """Whether decode_matmul beats cuBLAS (and a separate SiLU-and-mul) for this GEMM and its
     tiles divide the shape. n: the output's width (gated: the width of gate alone). Float32
     takes it on the same bounds, untimed, so the float32 GPU tests against transformers run it."""
-    cfg = decode_matmul_config(dtype)
-    return (0 < num_rows <= MAX_ROWS and k <= MAX_K and n % cfg["BLOCK_N"] == 0
-            and k % cfg["BLOCK_K"] == 0)
+    cfg = decode_matmul_config(dtype, num_rows)
+    return (0 < num_rows <= (MAX_ROWS if gated else MAX_ROWS_PLAIN) and k <= MAX_K
+            and n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0)
 
 
 def decode_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
@@ -99,7 +108,7 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
     assert w.shape == (n, k) and w.is_contiguous() and x.stride(1) == 1 and x.dtype == w.dtype
     width = n // 2 if gated else n
     assert not gated or n % 2 == 0
-    cfg = decode_matmul_config(x.dtype) | (config or {})
+    cfg = decode_matmul_config(x.dtype, num_rows) | (config or {})
     assert k % cfg["BLOCK_K"] == 0 and width % cfg["BLOCK_N"] == 0, (k, width, cfg)
     if out is None:
         out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)

@@ -61,7 +61,7 @@ def _decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return None
     from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays
     n, k = weight.shape
-    if not decode_matmul_pays(x.shape[0], n // 2 if gated else n, k, x.dtype):
+    if not decode_matmul_pays(x.shape[0], n // 2 if gated else n, k, x.dtype, gated):
         return None
     return decode_matmul(x, weight, gated=gated)
 

@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 from dataplane.checkpoints import TinyQwen3  # noqa: E402
 from dataplane.kernels.decode_matmul import (  # noqa: E402
-    MAX_ROWS, decode_matmul, decode_matmul_pays, decode_matmul_ref)
+    MAX_ROWS, MAX_ROWS_PLAIN, decode_matmul, decode_matmul_pays, decode_matmul_ref)
 from dataplane.layers.linear import QKVParallelLinear  # noqa: E402
 from dataplane.models.qwen3 import Qwen3MLP  # noqa: E402
 from tests.dataplane.kernels.helpers import (  # noqa: E402
@@ -48,14 +48,19 @@ def test_the_tiny_checkpoints_take_the_decode_gemm():
     c = TinyQwen3()
     qkv = ((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, c.hidden_size)
     assert decode_matmul_pays(16, *qkv, torch.float32)
-    assert decode_matmul_pays(16, c.intermediate_size, c.hidden_size, torch.float32)
-    assert not decode_matmul_pays(MAX_ROWS + 1, *qkv, torch.float32)
+    assert decode_matmul_pays(16, c.intermediate_size, c.hidden_size, torch.float32, gated=True)
+    assert decode_matmul_pays(MAX_ROWS + 1, *qkv, torch.float32)
+    assert not decode_matmul_pays(MAX_ROWS_PLAIN + 1, *qkv, torch.float32)
+    assert not decode_matmul_pays(MAX_ROWS + 1, c.intermediate_size, c.hidden_size,
+                                  torch.float32, gated=True)
 
 
-@pytest.mark.parametrize("num_rows", [1, 64, MAX_ROWS, MAX_ROWS + 1])
+@pytest.mark.parametrize("num_rows", [1, MAX_ROWS, MAX_ROWS + 1, 64, MAX_ROWS_PLAIN,
+                                      MAX_ROWS_PLAIN + 1])
 def test_qkv_and_mlp_layers_in_bf16(num_rows, device, gen):
     """Qwen3-0.6B's qkv_proj and MLP against cuBLAS, silu_and_mul and cuBLAS: the decode GEMM
-    up to MAX_ROWS rows, cuBLAS above."""
+    up to MAX_ROWS_PLAIN rows for qkv_proj (its wider tiles above MAX_ROWS) and up to MAX_ROWS
+    for the gated gate_up_proj, cuBLAS above."""
     if not on_gpu(device):
         pytest.skip("the decode GEMM path runs on CUDA only")
     dtype = torch.bfloat16
