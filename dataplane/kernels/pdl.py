@@ -34,7 +34,8 @@ _enabled = True
 # Launches of more rows (tokens, requests) than this go without PDL. On the H200 at 865485f and
 # 9290a2a (bench-0.6b against bench-0.6b-nopdl, twice) PDL took 0.9-5.8% off the decode steps of
 # up to 128 rows but added 0.3-0.8% to those of 129-256, where cuBLAS runs every GEMM and only
-# q/k-norm -> attention is a pair of ours.
+# q/k-norm -> attention is a pair of ours; again at 22aaf1d (0.4-1.0%,
+# qwen3-0.6b-inprocess-tp1-22aaf1d-pdl-*.json).
 MAX_ROWS = 128
 
 
