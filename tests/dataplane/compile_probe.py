@@ -4,14 +4,14 @@ block boundaries, chunked prefill mixed with decodes, many decode batch sizes up
 and sampled rows, per-request seeds, top-k/top-p, penalties, logprobs). Prints, as the last line, a
 JSON list of the Triton kernels that compiled during the workload.
 
-    python -m tests.dataplane.compile_probe MODEL_DIR
+    python -m tests.dataplane.compile_probe MODEL_DIR [--dtype D] [--attention-backend B]
 """
 
+import argparse
 import json
 import os
 import pathlib
 import random
-import sys
 
 from splitserve.llm import LLM
 
@@ -38,9 +38,14 @@ def sampling(rng: random.Random, i: int) -> dict:
     return options
 
 
-def main(model_dir: str) -> None:
-    llm = LLM(model_dir, device="cuda", max_num_seqs=16, max_num_batched_tokens=64,
-              max_model_len=512)
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args()
+    llm = LLM(args.model_dir, device="cuda", max_num_seqs=16, max_num_batched_tokens=64,
+              max_model_len=512, dtype=args.dtype, attention_backend=args.attention_backend)
     try:
         llm.loop.run_until_complete(llm.dataplane.attach())
         before = compiled_kernels()
@@ -58,4 +63,4 @@ def main(model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

@@ -134,14 +134,19 @@ def test_prompt_graphs_give_the_eager_logits(checkpoints, moe_checkpoints, name)
         torch.testing.assert_close(graphs, eager, atol=1e-4, rtol=0)
 
 
-def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path):
+@pytest.mark.parametrize("dtype,backend", [("auto", "auto"), ("bfloat16", "auto"),
+                                           ("auto", "torch")])
+def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, dtype, backend):
     """A kernel variant that first compiles inside a served step stalls that step for a second
     or more (split mode lost 10-15% of workload A to one, until 1961f62): configure's warm-up must
-    meet every variant the steps launch. A fresh Triton cache shows what compiles when."""
+    meet every variant the steps launch. A fresh Triton cache shows what compiles when. In the
+    checkpoint's float32, in bf16 (the kernels' other tiles), and with the torch attention
+    backend (the other kernels are still ours)."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     probe = subprocess.run([sys.executable, "-m", "tests.dataplane.compile_probe",
-                            str(checkpoints["untied"])], env=env, capture_output=True, text=True,
-                           timeout=500)
+                            str(checkpoints["untied"]), "--dtype", dtype,
+                            "--attention-backend", backend], env=env, capture_output=True,
+                           text=True, timeout=500)
     assert probe.returncode == 0, probe.stderr[-4000:]
     assert json.loads(probe.stdout.splitlines()[-1]) == []
 
