@@ -21,7 +21,7 @@
 #   sampler        the CUDA sampler by chunk size and warps at 1-256 rows
 #   splitk         split-K o_proj/down_proj with the partials summed by the norm, against cuBLAS
 #   decode-layer   a decode layer with our GEMMs against cuBLAS's, with and without PDL
-#   gemm-tiles     decode_matmul and split-K tiles at 64-256 rows (both probes' --sweep)
+#   gemm-tiles     decode_matmul tiles at 64-256 rows, split-K tiles at 160-256 (the probes' --sweep)
 #   gemm-tests     the decode GEMM, split-K, elementwise and decode attention kernels' tests
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise;

@@ -3,12 +3,13 @@ that kernel for the decode step's row-parallel layers (o_proj, down_proj; Qwen3-
 larger outputs of Qwen3-30B-A3B's o_proj and Qwen3-8B's)? In CUDA graphs of 28 layers with
 distinct weights (as a step meets them), per batch size: cuBLAS's F.linear then
 fused_add_rms_norm, against splitk_matmul then fused_add_rms_norm_parts for each tile config
-(BLOCK_M: splitk_config's); microseconds a layer, and the partials' error.
+(BLOCK_M: splitk_config's where the config names none); microseconds a layer, and the
+partials' error.
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/splitk_probe.py $OUT/splitk.json [--sweep]
 
 --sweep: only the 0.6B layers at 160-256 rows (workload A's large batches, where cuBLAS runs them
-now) over a wider grid: BLOCK_M up to 128, 8 warps.
+now) over a wider grid: BLOCK_M 64 or 128, 4 or 8 warps (3 stages throughout).
 """
 
 import itertools

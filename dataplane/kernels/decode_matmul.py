@@ -66,10 +66,12 @@ def _decode_matmul_kernel(
 # at 128): alone, its gate_up + SiLU took 9.0 us at 64 rows against cuBLAS + silu_and_mul's 7.0.
 # The wider sweep (`--sweep`, decode_layer_sweep-2a21cfb.json) found plain tiles that tie cuBLAS
 # alone at 64 and 128 rows (4.99 / 4.99 us, 5.27 / 5.27), so qkv_proj stays ours up to
-# pdl.MAX_ROWS, where PDL overlaps it with the norm before and the q/k norm after; the gated
-# kernel still loses there (8.4 against 7.2 us) and stops at 32.
+# pdl.MAX_ROWS, where PDL overlaps it with the norm before and the q/k norm after (workload A,
+# 3761e36: decode steps of 64-128 rows 0.5-1.1% faster; 33-63 rows not measured apart); the
+# gated kernel still loses there (8.4 against 7.2 us) and stops at 32.
 MAX_ROWS = 32  # gated
-MAX_ROWS_PLAIN = 128
+MAX_ROWS_PLAIN = 128  # = pdl.MAX_ROWS: without PDL the tie gains nothing
+SMALL_TILE_ROWS = 32  # _CONFIG up to here, _WIDE_CONFIG above
 MAX_K = 1024  # Qwen3-0.6B's hidden size; wider inputs keep cuBLAS (not measured)
 # the probe's best at 1-32 rows, plain and gated (BLOCK_M 16 at 1-8 rows; one variant here)
 _CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32", num_warps=4,
@@ -84,7 +86,7 @@ def decode_matmul_config(dtype: torch.dtype, num_rows: int = 1) -> dict:
     """The kernel settings for this dtype and row count (shared: copy before changing)."""
     if dtype == torch.float32:
         return _FLOAT32_CONFIG
-    return _CONFIG if num_rows <= MAX_ROWS else _WIDE_CONFIG
+    return _CONFIG if num_rows <= SMALL_TILE_ROWS else _WIDE_CONFIG
 
 
 def decode_matmul_pays(num_rows: int, n: int, k: int, dtype: torch.dtype,

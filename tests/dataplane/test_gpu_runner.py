@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from dataplane.checkpoints import DEFAULT_MODEL, write_random_qwen3
 from dataplane.model_runner import ModelRunner, RunnerConfig
 from splitserve.llm import LLM
 from tests.dataplane.steps import Sched, configure, make_step
@@ -134,19 +135,32 @@ def test_prompt_graphs_give_the_eager_logits(checkpoints, moe_checkpoints, name)
         torch.testing.assert_close(graphs, eager, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("dtype,backend", [("auto", "auto"), ("bfloat16", "auto"),
-                                           ("auto", "torch")])
-def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, dtype, backend):
+@pytest.mark.parametrize("model,dtype,backend", [("untied", "auto", "auto"),
+                                                 ("default", "bfloat16", "auto"),
+                                                 ("untied", "auto", "torch")])
+def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, model, dtype, backend):
     """A kernel variant that first compiles inside a served step stalls that step for a second
     or more (split mode lost 10-15% of workload A to one, until 1961f62): configure's warm-up must
     meet every variant the steps launch. A fresh Triton cache shows what compiles when. In the
-    checkpoint's float32, in bf16 (the kernels' other tiles), and with the torch attention
-    backend (the other kernels are still ours)."""
+    tiny checkpoint's float32; in bf16 on the default model, whose shapes fit the decode GEMM's
+    bf16 tiles (the tiny checkpoint's hidden size of 64 does not: cuBLAS), both its row tile
+    sizes met by the probe's decode batches and 33-64-token prompt steps; and with the torch
+    attention backend (the other kernels are still ours)."""
+    if model == "default":
+        from dataplane.kernels.decode_matmul import MAX_ROWS_PLAIN, decode_matmul_pays
+        checkpoint = tmp_path / "default"
+        write_random_qwen3(checkpoint, DEFAULT_MODEL, seed=0, init_std=0.05)
+        c = DEFAULT_MODEL
+        qkv = ((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, c.hidden_size)
+        assert decode_matmul_pays(MAX_ROWS_PLAIN, *qkv, torch.bfloat16)
+        assert decode_matmul_pays(1, c.intermediate_size, c.hidden_size, torch.bfloat16,
+                                  gated=True)
+    else:
+        checkpoint = checkpoints[model]
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     probe = subprocess.run([sys.executable, "-m", "tests.dataplane.compile_probe",
-                            str(checkpoints["untied"]), "--dtype", dtype,
-                            "--attention-backend", backend], env=env, capture_output=True,
-                           text=True, timeout=500)
+                            str(checkpoint), "--dtype", dtype, "--attention-backend", backend],
+                           env=env, capture_output=True, text=True, timeout=500)
     assert probe.returncode == 0, probe.stderr[-4000:]
     assert json.loads(probe.stdout.splitlines()[-1]) == []
 
