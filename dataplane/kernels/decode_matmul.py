@@ -70,7 +70,7 @@ def _decode_matmul_kernel(
 # 3761e36: decode steps of 64-128 rows 0.5-1.1% faster; 33-63 rows not measured apart); the
 # gated kernel still loses there (8.4 against 7.2 us) and stops at 32.
 MAX_ROWS = 32  # gated
-MAX_ROWS_PLAIN = 128  # = pdl.MAX_ROWS: without PDL the tie gains nothing
+MAX_ROWS_PLAIN = 128  # pdl.MAX_ROWS's bound, measured on its own: beyond it ours loses alone
 SMALL_TILE_ROWS = 32  # _CONFIG up to here, _WIDE_CONFIG above
 MAX_K = 1024  # Qwen3-0.6B's hidden size; wider inputs keep cuBLAS (not measured)
 # the probe's best at 1-32 rows, plain and gated (BLOCK_M 16 at 1-8 rows; one variant here)

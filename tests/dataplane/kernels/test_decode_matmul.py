@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dataplane.checkpoints import TinyQwen3  # noqa: E402
+from dataplane.checkpoints import DEFAULT_MODEL, TinyQwen3  # noqa: E402
 from dataplane.kernels.decode_matmul import (  # noqa: E402
     MAX_ROWS, MAX_ROWS_PLAIN, decode_matmul, decode_matmul_pays, decode_matmul_ref)
 from dataplane.layers.linear import QKVParallelLinear  # noqa: E402
@@ -42,17 +42,29 @@ def test_decode_matmul_of_strided_rows_into_a_given_buffer(gated, device, gen):
     assert decode_matmul(x[:0], w, gated=gated).shape == (0, out.shape[1])
 
 
+def qkv_shape(c: TinyQwen3) -> tuple[int, int]:
+    return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, c.hidden_size
+
+
 def test_the_tiny_checkpoints_take_the_decode_gemm():
     """The float32 GPU tests against transformers (test_gpu_runner.py) cover qkv_proj and the
     gated gate_up_proj only if their tiny shapes fit the tiles."""
     c = TinyQwen3()
-    qkv = ((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, c.hidden_size)
+    qkv = qkv_shape(c)
     assert decode_matmul_pays(16, *qkv, torch.float32)
     assert decode_matmul_pays(16, c.intermediate_size, c.hidden_size, torch.float32, gated=True)
     assert decode_matmul_pays(MAX_ROWS + 1, *qkv, torch.float32)
     assert not decode_matmul_pays(MAX_ROWS_PLAIN + 1, *qkv, torch.float32)
     assert not decode_matmul_pays(MAX_ROWS + 1, c.intermediate_size, c.hidden_size,
                                   torch.float32, gated=True)
+
+
+def test_the_default_model_takes_the_bf16_decode_gemm():
+    """test_gpu_runner.py's bf16 compile probe runs the default model so that the bf16 tiles
+    (both row tile sizes) are among what configure must compile."""
+    c = DEFAULT_MODEL
+    assert decode_matmul_pays(MAX_ROWS_PLAIN, *qkv_shape(c), torch.bfloat16)
+    assert decode_matmul_pays(1, c.intermediate_size, c.hidden_size, torch.bfloat16, gated=True)
 
 
 @pytest.mark.parametrize("num_rows", [1, MAX_ROWS, MAX_ROWS + 1, 64, MAX_ROWS_PLAIN,
