@@ -6,8 +6,7 @@ layers with distinct weights (as a step meets them), per batch size:
    config, alone in a graph of 28 launches, against cuBLAS (+ silu_and_mul);
 2. the whole layer (residual add + RMSNorm, qkv, q/k norm + RoPE + K/V store, decode attention
    over 128-key contexts, o_proj, RMSNorm, gate_up + SiLU, down_proj) with cuBLAS or
-   decode_matmul at its best config, each with and without PDL; and with PDL, qkv_proj and
-   the q/k prologue as one kernel (qkv_norm_rope.py, its default tiles: `ours_pdl_fused`);
+   decode_matmul at its best config, each with and without PDL;
 3. at 160 and 256 rows of 640-key contexts (workload A's large batches): the layer as it runs
    (cuBLAS, no PDL above pdl.MAX_ROWS), with PDL at every launch, and with PDL and the split-K
    o_proj / down_proj (splitk_matmul.MAX_ROWS lifted).
@@ -31,7 +30,6 @@ from dataplane.kernels import pdl
 from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_ref
 from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
 from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
-from dataplane.kernels.qkv_norm_rope import qkv_norm_rope
 from dataplane.kernels.silu_and_mul import silu_and_mul
 from dataplane.kernels.splitk_matmul import splitk_matmul, splitk_pays
 from dataplane.layers.layernorm import RMSNorm
@@ -39,7 +37,7 @@ from dataplane.layers.layernorm import RMSNorm
 LAYERS = 28
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1024, 16, 8, 128, 3072
 BLOCK_SIZE = 16
-ROWS = [8, 32, 128]  # 128-key contexts (865485f: 1, 8, 32, 64, 128, 256)
+ROWS = [8, 32]  # 128-key contexts (865485f: 1, 8, 32, 64, 128, 256)
 LONG = [(160, 640), (256, 640)]  # (rows, keys)
 DTYPE = torch.bfloat16
 CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=3)
@@ -82,14 +80,22 @@ class Layers:
         self.cos_sin = torch.randn(context, HEAD_DIM, device="cuda")
         self.q_like = torch.empty(rows, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
 
-    def step(self, ours: dict | None, fused: bool = False) -> None:
+    def step(self, ours: dict | None) -> None:
         """One step's 28 layers; ours: the decode_matmul configs (qkv, gate_up), or None for
-        cuBLAS; fused: qkv_proj and the q/k prologue in one kernel."""
+        cuBLAS."""
         plan = plan_decode(self.q_like, self.k_cache, self.block_tables, self.seq_lens)
         hidden, residual = self.x, self.residual.clone()
         for i in range(LAYERS):
             hidden, residual = self.norm(hidden, residual)
-            q = self.queries(i, hidden, ours, fused)
+            if ours:
+                qkv = decode_matmul(hidden, self.qkv[i], config=ours["qkv"])
+            else:
+                qkv = F.linear(hidden, self.qkv[i])
+            q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+            q = qk_norm_rope_store(
+                self.positions, q.view(-1, HEADS, HEAD_DIM), k.view(-1, KV_HEADS, HEAD_DIM),
+                v.view(-1, KV_HEADS, HEAD_DIM), self.head_norm, self.head_norm, 1e-6,
+                self.cos_sin, self.k_cache, self.v_cache, self.slots)
             attn = paged_decode_attention(q, self.k_cache, self.v_cache, self.block_tables,
                                           self.seq_lens, HEAD_DIM ** -0.5, plan=plan)
             hidden = row_parallel(attn.flatten(1), self.o[i], self.splitk)
@@ -100,22 +106,6 @@ class Layers:
                 act = silu_and_mul(F.linear(hidden, self.gate_up[i]))
             hidden = row_parallel(act, self.down[i], self.splitk)
         self.norm(hidden, residual)
-
-    def queries(self, i: int, hidden: torch.Tensor, ours: dict | None,
-                fused: bool) -> torch.Tensor:
-        """Layer i's qkv_proj and q/k prologue: the normalized, rotated queries."""
-        prologue = (self.head_norm, self.head_norm, 1e-6, self.cos_sin, self.k_cache,
-                    self.v_cache, self.slots)
-        if fused:
-            return qkv_norm_rope(hidden, self.qkv[i], HEADS, KV_HEADS, self.positions, *prologue)
-        if ours:
-            qkv = decode_matmul(hidden, self.qkv[i], config=ours["qkv"])
-        else:
-            qkv = F.linear(hidden, self.qkv[i])
-        q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
-        return qk_norm_rope_store(self.positions, q.view(-1, HEADS, HEAD_DIM),
-                                  k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM),
-                                  *prologue)
 
 
 def row_parallel(x: torch.Tensor, w: torch.Tensor, splitk: bool) -> torch.Tensor:
@@ -194,7 +184,6 @@ def main() -> None:
             key = ("ours" if mine else "cublas") + ("_pdl" if use_pdl else "")
             chain[key] = graph_us(lambda: layers.step(ours if mine else None)) / LAYERS
         pdl.set_enabled(True)
-        chain["ours_pdl_fused"] = graph_us(lambda: layers.step(ours, fused=True)) / LAYERS
         report["shapes"].append(dict(rows=rows, alone=alone, layer_us=chain))
         print(f"{rows:3d} rows: qkv cuBLAS {alone['qkv']['cublas_us']:.2f} us, ours "
               f"{alone['qkv']['best']['us']:.2f} {ours['qkv']}; gate_up+SiLU cuBLAS "

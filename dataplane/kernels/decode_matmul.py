@@ -23,39 +23,6 @@ import triton.language as tl
 from dataplane.kernels.pdl import launch_options, prefetch_args, prefetch_rows, wait_for_inputs
 
 
-@triton.jit
-def strip_products(x_ptr, w_ptr, w_rows, num_rows, stride_x_row, K: tl.constexpr,
-                   SECOND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   ELEMS_PER_LINE: tl.constexpr, NUM_LINES_POW2: tl.constexpr,
-                   USE_PDL: tl.constexpr):
-    """x @ w[w_rows].T for the BLOCK_M rows of x that program_id(1) owns and, when SECOND > 0,
-    x @ w[w_rows + SECOND].T (w_rows: [BLOCK_N]): float32 [BLOCK_N, BLOCK_M] each (transposed:
-    the weight rows fill the tensor core's wide side). With PDL the weight strips are asked of
-    the L2 before the wait for x. Returns (acc, acc_second, rows, row_mask); acc_second is
-    zeros without SECOND. Shared with qkv_norm_rope.py."""
-    # the weights are no kernel's output: fetch them while the one before runs (once a strip)
-    if USE_PDL and tl.program_id(1) == 0:
-        prefetch_rows(w_ptr, w_rows, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
-        if SECOND > 0:
-            prefetch_rows(w_ptr, w_rows + SECOND, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
-    wait_for_inputs(USE_PDL)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < num_rows
-    ks = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * K + ks[None, :]  # [BLOCK_N, BLOCK_K]
-    x_ptrs = x_ptr + rows[None, :].to(tl.int64) * stride_x_row + ks[:, None]  # [BLOCK_K, BLOCK_M]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc_second = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs + k, mask=row_mask[None, :], other=0.0)
-        acc = tl.dot(tl.load(w_ptrs + k), x, acc, input_precision=DOT_PRECISION)
-        if SECOND > 0:
-            acc_second = tl.dot(tl.load(w_ptrs + SECOND * K + k), x, acc_second,
-                                input_precision=DOT_PRECISION)
-    return acc, acc_second, rows, row_mask
-
-
 @triton.jit(do_not_specialize=["num_rows"])
 def _decode_matmul_kernel(
     x_ptr, w_ptr, out_ptr, num_rows, stride_x_row, stride_out_row,
@@ -64,12 +31,28 @@ def _decode_matmul_kernel(
     NUM_LINES_POW2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # UP_OFFSET: the up rows' first row in w (gate's are the first); 0: not gated
-    acc, acc_up, rows, row_mask = strip_products(
-        x_ptr, w_ptr, cols, num_rows, stride_x_row, K, UP_OFFSET, BLOCK_M, BLOCK_N,
-        BLOCK_K, DOT_PRECISION, ELEMS_PER_LINE, NUM_LINES_POW2, USE_PDL)
+    gated = UP_OFFSET > 0  # UP_OFFSET: the up rows' first row in w (gate's are the first)
+    # the weights are no kernel's output: fetch them while the one before runs (once a strip)
+    if USE_PDL and tl.program_id(1) == 0:
+        prefetch_rows(w_ptr, cols, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
+        if gated:
+            prefetch_rows(w_ptr, cols + UP_OFFSET, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
+    wait_for_inputs(USE_PDL)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_rows
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + rows[None, :].to(tl.int64) * stride_x_row + ks[:, None]  # [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs + k, mask=row_mask[None, :], other=0.0)
+        acc = tl.dot(tl.load(w_ptrs + k), x, acc, input_precision=DOT_PRECISION)
+        if gated:
+            acc_up = tl.dot(tl.load(w_ptrs + UP_OFFSET * K + k), x, acc_up,
+                            input_precision=DOT_PRECISION)
     dtype = out_ptr.dtype.element_ty
-    if UP_OFFSET > 0:
+    if gated:
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = silu * acc_up.to(dtype).to(tl.float32)

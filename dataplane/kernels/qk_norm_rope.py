@@ -18,20 +18,6 @@ from dataplane.kernels.pdl import launch_options, wait_for_inputs
 
 
 @triton.jit
-def norm_rotate(x1, x2, w1, w2, cos, sin, eps, dtype: tl.constexpr, AXIS: tl.constexpr,
-                HALF: tl.constexpr):
-    """RMSNorm over the head dims (AXIS) of heads split into halves x1, x2 (float32, each of
-    HALF along AXIS), the weight's halves w1, w2, then the neox rotation by cos, sin (float32;
-    all four broadcast against x1). Returns the two halves of the result in `dtype`, rounded
-    as the torch code rounds. Shared with qkv_norm_rope.py."""
-    ss = tl.sum(x1 * x1, AXIS) + tl.sum(x2 * x2, AXIS)
-    rstd = tl.expand_dims(tl.rsqrt(ss / (2 * HALF) + eps), AXIS)
-    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    return (n1 * cos - n2 * sin).to(dtype), (n2 * cos + n1 * sin).to(dtype)
-
-
-@triton.jit
 def _norm_rotate_heads(x_row, out_row, weight_ptr, stride_head, stride_out_head, num_heads,
                        cos, sin, eps, is_stored, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
     heads = tl.arange(0, BLOCK_HEADS)
@@ -40,12 +26,15 @@ def _norm_rotate_heads(x_row, out_row, weight_ptr, stride_head, stride_out_head,
     ptr = x_row + heads[:, None] * stride_head + dims[None, :]
     x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, HALF]
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    dtype = out_row.dtype.element_ty
     w1 = tl.load(weight_ptr + dims).to(tl.float32)[None, :]  # [1, HALF]
     w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)[None, :]
-    out1, out2 = norm_rotate(x1, x2, w1, w2, cos, sin, eps, out_row.dtype.element_ty, 1, HALF)
+    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     dst = out_row + heads[:, None] * stride_out_head + dims[None, :]
-    tl.store(dst, out1, mask=mask & is_stored)
-    tl.store(dst + HALF, out2, mask=mask & is_stored)
+    tl.store(dst, (n1 * cos - n2 * sin).to(dtype), mask=mask & is_stored)
+    tl.store(dst + HALF, (n2 * cos + n1 * sin).to(dtype), mask=mask & is_stored)
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_kv_heads"])

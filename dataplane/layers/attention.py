@@ -56,26 +56,6 @@ class Attention(nn.Module):
         q = qk_norm_rope_store(positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps,
                                cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping,
                                q_out=ctx.split_queries)
-        return self._attend_prologue_output(ctx, q)
-
-    def forward_qkv_norm_rope(self, positions: torch.Tensor, hidden: torch.Tensor,
-                              qkv_weight: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
-                              cos_sin_cache: torch.Tensor) -> torch.Tensor | None:
-        """CUDA only: forward_qk_norm_rope with the QKV projection (no bias) of `hidden` in the
-        same kernel, where that pays (kernels/qkv_norm_rope.py: decode batch sizes); None
-        elsewhere, and nothing is run."""
-        from dataplane.kernels.qkv_norm_rope import qkv_norm_rope, qkv_norm_rope_pays
-        if hidden.dim() != 2 or hidden.stride(1) != 1 or hidden.dtype != qkv_weight.dtype \
-                or not qkv_norm_rope_pays(hidden.shape[0], self.num_heads, self.num_kv_heads,
-                                          self.head_dim, hidden.shape[1], hidden.dtype):
-            return None
-        ctx = self._context()
-        q = qkv_norm_rope(hidden, qkv_weight, self.num_heads, self.num_kv_heads, positions,
-                          q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache, self.k_cache,
-                          self.v_cache, ctx.slot_mapping, q_out=ctx.split_queries)
-        return self._attend_prologue_output(ctx, q)
-
-    def _attend_prologue_output(self, ctx: ForwardContext, q: torch.Tensor) -> torch.Tensor:
         if ctx.split_at_attention is not None:  # capturing a piecewise graph: attend later
             return ctx.split_at_attention(self, q)
         return self.backend.forward(q, self.k_cache, self.v_cache, ctx, self.scale)

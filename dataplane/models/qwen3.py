@@ -52,27 +52,19 @@ class Qwen3Attention(nn.Module):
                               scale=self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        out = None
-        if hidden.is_cuda and self.qkv_proj.bias is None:  # at decode sizes: one kernel for all
-            out = self.attn.forward_qkv_norm_rope(positions, hidden, self.qkv_proj.weight,
-                                                  self.q_norm, self.k_norm,
-                                                  self.rotary_emb.cos_sin_cache)
-        if out is None:
-            out = self._attend(positions, self.qkv_proj(hidden))
-        return self.o_proj(out.flatten(1))  # [T, hidden], or split-K partials [splits, T, hidden]
-
-    def _attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
         if q.is_cuda:  # one kernel for the norms, RoPE and the K/V store
-            return self.attn.forward_qk_norm_rope(positions, q, k, v, self.q_norm, self.k_norm,
-                                                  self.rotary_emb.cos_sin_cache)
-        q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-        return self.attn(q, k, v)  # [T, heads, head_dim]
+            out = self.attn.forward_qk_norm_rope(positions, q, k, v, self.q_norm, self.k_norm,
+                                                 self.rotary_emb.cos_sin_cache)
+        else:
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+            out = self.attn(q, k, v)  # [T, heads, head_dim]
+        return self.o_proj(out.flatten(1))  # [T, hidden], or split-K partials [splits, T, hidden]
 
 
 class Qwen3MLP(nn.Module):

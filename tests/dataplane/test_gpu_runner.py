@@ -58,10 +58,8 @@ def test_bf16_on_cuda_keeps_the_first_greedy_tokens_and_close_logprobs(checkpoin
             assert abs(lp.logprob - row[token].item()) < BF16_LOGPROB_TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["untied", "wide_heads"])
-def test_float32_on_cuda_equals_transformers_with_graphs_and_eager(checkpoints, name):
-    """wide_heads: qkv_proj and the q/k prologue in one kernel (kernels/qkv_norm_rope.py)."""
-    model = checkpoints[name]
+def test_float32_on_cuda_equals_transformers_with_graphs_and_eager(checkpoints):
+    model = checkpoints["untied"]
     expected = [hf_greedy(model, p, 24) for p in PROMPTS]
     graphs = greedy(model, 24, device="cuda", dtype="float32")
     eager = greedy(model, 24, device="cuda", dtype="float32", enforce_eager=True)
@@ -69,13 +67,12 @@ def test_float32_on_cuda_equals_transformers_with_graphs_and_eager(checkpoints, 
     assert [c.token_ids for c in eager] == expected
 
 
-@pytest.mark.parametrize("name", ["untied", "wide_heads"])
-def test_float32_prompt_chunks_mixed_with_decodes_replay_piecewise_graphs(checkpoints, name):
+def test_float32_prompt_chunks_mixed_with_decodes_replay_piecewise_graphs(checkpoints):
     """A 16-token budget cuts the 37-token prompt into chunks that share steps with the other
     requests' decodes: steps of 9-16 tokens, padded to the one piecewise size (16), whose
     attention runs eagerly between the pieces. Greedy tokens as transformers', with the prompt
-    graphs and without them (wide_heads: the fused qkv_proj writes the graphs' query buffer)."""
-    model = checkpoints[name]
+    graphs and without them."""
+    model = checkpoints["untied"]
     expected = [hf_greedy(model, p, 12) for p in PROMPTS]
     pieces = greedy(model, 12, max_num_batched_tokens=16, device="cuda", dtype="float32")
     eager = greedy(model, 12, max_num_batched_tokens=16, device="cuda", dtype="float32",
@@ -119,7 +116,7 @@ def steps_with_prompts(runner: ModelRunner) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.mark.parametrize("name", ["untied", "wide_heads", "moe"])
+@pytest.mark.parametrize("name", ["untied", "moe"])
 def test_prompt_graphs_give_the_eager_logits(checkpoints, moe_checkpoints, name):
     """The piecewise graphs (the dense model and the MoE one, whose experts run inside the
     pieces) against the same steps run eagerly, float32."""
