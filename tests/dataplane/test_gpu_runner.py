@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from dataplane.checkpoints import DEFAULT_MODEL, write_random_qwen3
+from dataplane.checkpoints import write_default_model
 from dataplane.model_runner import ModelRunner, RunnerConfig
 from splitserve.llm import LLM
 from tests.dataplane.steps import Sched, configure, make_step
@@ -148,7 +148,7 @@ def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, model,
     attention backend (the other kernels are still ours)."""
     if model == "default":  # test_decode_matmul.py checks that its shapes take the GEMM
         checkpoint = tmp_path / "default"
-        write_random_qwen3(checkpoint, DEFAULT_MODEL, seed=0, init_std=0.05)
+        write_default_model(checkpoint)
     else:
         checkpoint = checkpoints[model]
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
