@@ -27,7 +27,7 @@ import run_info
 from kernels import graph_us
 
 from dataplane.kernels import pdl
-from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays, decode_matmul_ref
+from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_ref
 from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
 from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
 from dataplane.kernels.silu_and_mul import silu_and_mul
@@ -43,7 +43,6 @@ DTYPE = torch.bfloat16
 CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=3)
            for n, k in itertools.product((32, 64, 128), (64, 128))]  # BLOCK_M: by the rows
 SWEEP_ROWS = [64, 128, 160, 192, 256]
-L2_SHAPES = [(8, 128), (32, 1024), (64, 1024), (128, 768), (160, 640), (256, 640)]
 SWEEP_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
                  for m, n, k, w, s in itertools.product((64, 128), (64, 128), (64, 128), (4, 8),
                                                         (3, 4))]
@@ -77,30 +76,18 @@ class Layers:
         self.seq_lens = torch.full((rows,), context, device="cuda", dtype=torch.int32)
         self.positions = torch.full((rows,), context - 1, device="cuda", dtype=torch.int64)
         self.splitk = False  # split-K row-parallel layers at any batch size
-        self.l2_prefetch = None  # per layer: what decode attention asks the L2 for (pdl.py)
         self.slots = (self.block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)
         self.cos_sin = torch.randn(context, HEAD_DIM, device="cuda")
         self.q_like = torch.empty(rows, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
 
-    def prefetch(self, next_qkv: bool) -> list[torch.Tensor]:
-        """Each layer's o_proj, gate_up and down_proj weights (and the next layer's qkv_proj),
-        as paged_decode_attention's l2_prefetch."""
-        return [pdl.prefetch_regions([self.o[i], self.gate_up[i], self.down[i]]
-                                     + ([self.qkv[(i + 1) % LAYERS]] if next_qkv else []))
-                for i in range(LAYERS)]
-
-    def step(self, ours: dict | str | None) -> None:
-        """One step's 28 layers; ours: the decode_matmul configs (qkv, gate_up), "routed" for
-        the layers' own choice by batch size (decode_matmul_pays), or None for cuBLAS."""
+    def step(self, ours: dict | None) -> None:
+        """One step's 28 layers; ours: the decode_matmul configs (qkv, gate_up), or None for
+        cuBLAS."""
         plan = plan_decode(self.q_like, self.k_cache, self.block_tables, self.seq_lens)
         hidden, residual = self.x, self.residual.clone()
         for i in range(LAYERS):
             hidden, residual = self.norm(hidden, residual)
-            if ours == "routed":
-                qkv = (decode_matmul(hidden, self.qkv[i])
-                       if decode_matmul_pays(self.rows, *self.qkv[i].shape, DTYPE)
-                       else F.linear(hidden, self.qkv[i]))
-            elif ours:
+            if ours:
                 qkv = decode_matmul(hidden, self.qkv[i], config=ours["qkv"])
             else:
                 qkv = F.linear(hidden, self.qkv[i])
@@ -110,14 +97,10 @@ class Layers:
                 v.view(-1, KV_HEADS, HEAD_DIM), self.head_norm, self.head_norm, 1e-6,
                 self.cos_sin, self.k_cache, self.v_cache, self.slots)
             attn = paged_decode_attention(q, self.k_cache, self.v_cache, self.block_tables,
-                                          self.seq_lens, HEAD_DIM ** -0.5, plan=plan,
-                                          l2_prefetch=self.l2_prefetch and self.l2_prefetch[i])
+                                          self.seq_lens, HEAD_DIM ** -0.5, plan=plan)
             hidden = row_parallel(attn.flatten(1), self.o[i], self.splitk)
             hidden, residual = self.norm(hidden, residual)
-            if ours == "routed" and decode_matmul_pays(self.rows, INTERMEDIATE, HIDDEN, DTYPE,
-                                                       gated=True):
-                act = decode_matmul(hidden, self.gate_up[i], gated=True)
-            elif ours and ours != "routed":
+            if ours:
                 act = decode_matmul(hidden, self.gate_up[i], gated=True, config=ours["gate_up"])
             else:
                 act = silu_and_mul(F.linear(hidden, self.gate_up[i]))
@@ -190,9 +173,6 @@ def main() -> None:
     if "--sweep" in sys.argv:
         sweep(report)
         return
-    if "--l2" in sys.argv:
-        l2_prefetch(report)
-        return
     for rows in ROWS:
         layers = Layers(rows)
         pdl.set_enabled(True)
@@ -217,30 +197,6 @@ def main() -> None:
         report["shapes"].append(dict(rows=rows, context=context, layer_us=layer_us))
         print(f"{rows:3d} rows of {context} keys, layer us: " + ", ".join(
             f"{k} {v:.2f}" for k, v in report["shapes"][-1]["layer_us"].items()), flush=True)
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
-
-
-def l2_prefetch(report: dict) -> None:
-    """The layer as it runs (the shipped routing and PDL) at L2_SHAPES, with decode attention's
-    programs asking the L2 for o_proj, gate_up and down_proj's weights (and the next layer's
-    qkv_proj) once their ranges are done, against without; three rounds, alternating."""
-    from dataplane.kernels import paged_decode_attention as attention
-    for rows, context in L2_SHAPES:
-        layers = Layers(rows, context)
-        arms = {"none": None, "mlp": layers.prefetch(False), "mlp_qkv": layers.prefetch(True)}
-        result = {arm: [] for arm in arms}
-        for _ in range(3):
-            for arm, regions in arms.items():
-                layers.l2_prefetch = regions
-                result[arm].append(graph_us(lambda: layers.step("routed")) / LAYERS)
-        report["shapes"].append(dict(rows=rows, context=context, layer_us=result,
-                                     resident_per_sm=sorted(set(
-                                         attention._resident_per_sm.values()))))
-        print(f"{rows:3d} rows of {context} keys, layer us: " + "; ".join(
-            f"{arm} " + " ".join(f"{us:.2f}" for us in runs) for arm, runs in result.items())
-            + f" (attention programs an SM: {report['shapes'][-1]['resident_per_sm']})",
-            flush=True)
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from dataplane.kernels.paged_inputs import check_paged_attention_inputs
-from dataplane.kernels.pdl import launch_options, prefetch_share, wait_for_inputs
+from dataplane.kernels.pdl import launch_options, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 MAX_PROGRAMS_PER_SM = 8  # bounds the partial-output scratch a plan allocates
@@ -211,12 +211,12 @@ def _write_request(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr,
-    part_out_ptr, part_lse_ptr, trace_ptr, prefetch_ptr, scale_log2e, num_reqs,
+    part_out_ptr, part_lse_ptr, trace_ptr, scale_log2e, num_reqs,
     stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TRACE: tl.constexpr, NUM_PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    TRACE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
     kv_head = tl.program_id(0)
@@ -258,9 +258,6 @@ def _decode_kernel(
 
         if TRACE:
             _stamp(trace_ptr, record, 2, tile_hi)
-        if NUM_PREFETCH > 0:  # while the slower programs still stream their ranges
-            prefetch_share(prefetch_ptr, kv_head * active + prog, tl.num_programs(0) * active,
-                           NUM_PREFETCH, 128)
         first_info = tl.load(tile_info_ptr + tile_lo)
         last_req = tl.load(tile_req_ptr + tile_hi - 1)
         last_info = tl.load(tile_info_ptr + tile_hi - 1)
@@ -379,8 +376,8 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tens
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, plan: DecodePlan | None = None,
-                           config: dict | None = None, trace: torch.Tensor | None = None,
-                           l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                           config: dict | None = None,
+                           trace: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_reqs, num_heads, head_dim], the one new token of each request (its k/v already
     stored); k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32, cached tokens
@@ -389,10 +386,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     config: kernel settings over the defaults (num_warps, num_stages), for tuning. trace: for
     probes, [num_kv_heads * num_programs, 8] int64 zeros, filled with each program's global timer
     (ns) and cycle counter at its start, once its first request is known, after its tile loop
-    and at its end (a program with no tiles writes only the first and last). l2_prefetch:
-    pdl.prefetch_regions of what the kernels after this one read (the layer's weights): each
-    program asks the L2 for its share once its range is done. Returns out: [num_reqs,
-    num_heads, head_dim]."""
+    and at its end (a program with no tiles writes only the first and last). Returns out:
+    [num_reqs, num_heads, head_dim]."""
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     check_paged_attention_inputs(q, k_cache, v_cache)
@@ -410,23 +405,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert plan.tile_req.device == q.device
     args = (q, k_cache, v_cache, out, plan.tile_req, plan.tile_info, plan.tile_blocks,
             plan.req_tile_start, plan.counters, plan.part_out, plan.part_lse,
-            plan.counters if trace is None else trace,
-            plan.counters if l2_prefetch is None else l2_prefetch, scale * LOG2E,
+            plan.counters if trace is None else trace, scale * LOG2E,
             num_reqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), out.stride(0), out.stride(1))
     constexprs = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size,
                       TILE_PAGES=max(1, plan.block_n // block_size),
                       TRACE=trace is not None,
-                      NUM_PREFETCH=0 if l2_prefetch is None else l2_prefetch.numel() // 2,
                       **launch_options(q.device, num_reqs),
                       **(_config(q.dtype, head_dim) | (config or {}) | dict(BLOCK_N=plan.block_n)))
     if plan.num_programs is None:  # once a plan: the layers after the first reuse it
         plan.num_programs = _programs_per_head(q.device, num_kv_heads, plan.max_programs, args,
                                                constexprs)
-    if l2_prefetch is not None:
-        assert l2_prefetch.dtype == torch.int64 and l2_prefetch.numel() % 2 == 0
-        assert l2_prefetch.device == q.device
     if trace is not None:
         assert trace.shape == (num_kv_heads * plan.num_programs, 8) and trace.dtype == torch.int64
         assert trace.is_contiguous() and trace.device == q.device

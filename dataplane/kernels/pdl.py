@@ -71,7 +71,6 @@ def wait_for_inputs(USE_PDL: tl.constexpr):
 
 
 LINE = 128  # bytes of an L2 line
-_LINE = tl.constexpr(LINE)
 
 
 @triton.jit
@@ -85,32 +84,6 @@ def prefetch_rows(ptr, rows, stride_row, row_start, NUM_ELEMS: tl.constexpr,
             + (lines * ELEMS_PER_LINE)[None, :])  # a repeated line is harmless
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_share(regions_ptr, rank, size, NUM_REGIONS: tl.constexpr, CHUNK: tl.constexpr):
-    """Ask the L2 to fetch, and keep (evict_last), this program's share (rank of size) of every
-    region in regions_ptr: NUM_REGIONS (address, bytes // LINE) int64 pairs. For a kernel that
-    reads its own data at the bandwidth and whose programs end unevenly: an early finisher
-    fetches the kernels after it their weights while the others still stream."""
-    for i in tl.static_range(NUM_REGIONS):
-        base = tl.load(regions_ptr + 2 * i).to(tl.pointer_type(tl.int8))
-        num_lines = tl.load(regions_ptr + 2 * i + 1)
-        lo = rank.to(tl.int64) * num_lines // size
-        hi = (rank + 1).to(tl.int64) * num_lines // size
-        for first in range(lo, hi, CHUNK):
-            lines = tl.minimum(first + tl.arange(0, CHUNK), hi - 1)  # a repeated line is harmless
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-                                      "=r,l", [base + lines * _LINE], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-
-def prefetch_regions(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """prefetch_share's regions for these contiguous tensors: [len(tensors) * 2] int64 on their
-    device (built once: the addresses stay valid while the tensors live)."""
-    assert all(t.is_contiguous() and t.device == tensors[0].device for t in tensors)
-    pairs = [(t.data_ptr(), t.numel() * t.element_size() // LINE) for t in tensors]
-    return torch.tensor(pairs, dtype=torch.int64, device=tensors[0].device).flatten()
 
 
 def prefetch_args(weight: torch.Tensor, num_elems: int) -> dict:

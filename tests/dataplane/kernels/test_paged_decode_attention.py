@@ -13,7 +13,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from dataplane.kernels import pdl  # noqa: E402
 from dataplane.kernels.paged_decode_attention import (  # noqa: E402
     paged_decode_attention, paged_decode_attention_ref, plan_decode)
 from tests.dataplane.kernels.helpers import (  # noqa: E402
@@ -169,24 +168,4 @@ def test_merges_repeat_exactly_with_one_plan(num_programs, gen):
     assert_close(first, paged_decode_attention_ref(*args), torch.bfloat16)
     for _ in range(200):
         assert torch.equal(paged_decode_attention(*args, plan=plan), first)
-    assert not plan.counters.any()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="L2 prefetch is PTX")
-@pytest.mark.parametrize("num_programs", [None, 3, 10**4])
-def test_l2_prefetch_changes_no_output(num_programs, gen):
-    """Asking the L2 for other tensors' lines (the layer's weights, here tensors of odd sizes:
-    shares of zero lines and a partial last line) leaves the output bit for bit the same."""
-    device = torch.device("cuda")
-    seq_lens = torch.randint(1, 3000, (64,), generator=gen).tolist()
-    cache = make_paged_cache(seq_lens, 16, 8, 128, torch.bfloat16, device, gen)
-    q = randn(64, 16, 128, dtype=torch.bfloat16, device=device, gen=gen)
-    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, int32(seq_lens, device),
-            128 ** -0.5)
-    weights = [torch.randn(n, device=device) for n in (1, 1000, 3 << 20)]
-    plan = plan_decode(*args[:2], *args[3:5], num_programs=num_programs)
-    plain = paged_decode_attention(*args, plan=plan)
-    prefetched = paged_decode_attention(*args, plan=plan,
-                                        l2_prefetch=pdl.prefetch_regions(weights))
-    assert torch.equal(prefetched, plain)
     assert not plan.counters.any()
