@@ -13,7 +13,9 @@ layers with distinct weights (as a step meets them), per batch size:
 
 Microseconds a layer. `python3 bench/decode_layer_probe.py $OUT/decode_layer.json`
 (PYTHONPATH: the repo and bench/). With `--sweep` it runs only 1. at 64-256 rows over a wider
-grid (BLOCK_M up to 128, 8 warps, 4 stages): tiles for workload A's large batches.
+grid (BLOCK_M up to 128, 8 warps, 4 stages): tiles for workload A's large batches. With
+`--gate-up` it runs only the layer as it runs at 48-128 rows, gate_up_proj on our plain GEMM
+(then silu_and_mul) against cuBLAS's.
 """
 
 import itertools
@@ -27,7 +29,7 @@ import run_info
 from kernels import graph_us
 
 from dataplane.kernels import pdl
-from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_ref
+from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays, decode_matmul_ref
 from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
 from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
 from dataplane.kernels.silu_and_mul import silu_and_mul
@@ -43,6 +45,7 @@ DTYPE = torch.bfloat16
 CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=3)
            for n, k in itertools.product((32, 64, 128), (64, 128))]  # BLOCK_M: by the rows
 SWEEP_ROWS = [64, 128, 160, 192, 256]
+GATE_UP_SHAPES = [(48, 1024), (64, 1024), (96, 896), (128, 768)]  # (rows, keys): workload A's
 SWEEP_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
                  for m, n, k, w, s in itertools.product((64, 128), (64, 128), (64, 128), (4, 8),
                                                         (3, 4))]
@@ -76,18 +79,23 @@ class Layers:
         self.seq_lens = torch.full((rows,), context, device="cuda", dtype=torch.int32)
         self.positions = torch.full((rows,), context - 1, device="cuda", dtype=torch.int64)
         self.splitk = False  # split-K row-parallel layers at any batch size
+        self.plain_gate_up = True  # "routed": gate_up on the plain decode GEMM where it pays
         self.slots = (self.block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)
         self.cos_sin = torch.randn(context, HEAD_DIM, device="cuda")
         self.q_like = torch.empty(rows, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
 
-    def step(self, ours: dict | None) -> None:
-        """One step's 28 layers; ours: the decode_matmul configs (qkv, gate_up), or None for
-        cuBLAS."""
+    def step(self, ours: dict | str | None) -> None:
+        """One step's 28 layers; ours: the decode_matmul configs (qkv, gate_up), "routed" for
+        the layers' own choice by batch size (decode_matmul_pays), or None for cuBLAS."""
         plan = plan_decode(self.q_like, self.k_cache, self.block_tables, self.seq_lens)
         hidden, residual = self.x, self.residual.clone()
         for i in range(LAYERS):
             hidden, residual = self.norm(hidden, residual)
-            if ours:
+            if ours == "routed":
+                qkv = (decode_matmul(hidden, self.qkv[i])
+                       if decode_matmul_pays(self.rows, *self.qkv[i].shape, DTYPE)
+                       else F.linear(hidden, self.qkv[i]))
+            elif ours:
                 qkv = decode_matmul(hidden, self.qkv[i], config=ours["qkv"])
             else:
                 qkv = F.linear(hidden, self.qkv[i])
@@ -100,12 +108,24 @@ class Layers:
                                           self.seq_lens, HEAD_DIM ** -0.5, plan=plan)
             hidden = row_parallel(attn.flatten(1), self.o[i], self.splitk)
             hidden, residual = self.norm(hidden, residual)
-            if ours:
+            if ours == "routed":
+                act = self.routed_gate_up(hidden, self.gate_up[i])
+            elif ours:
                 act = decode_matmul(hidden, self.gate_up[i], gated=True, config=ours["gate_up"])
             else:
                 act = silu_and_mul(F.linear(hidden, self.gate_up[i]))
             hidden = row_parallel(act, self.down[i], self.splitk)
         self.norm(hidden, residual)
+
+
+    def routed_gate_up(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """What MergedColumnParallelLinear.silu_and_mul runs (plain_gate_up off: cuBLAS and
+        silu_and_mul wherever the gated kernel does not pay)."""
+        if decode_matmul_pays(self.rows, INTERMEDIATE, HIDDEN, DTYPE, gated=True):
+            return decode_matmul(x, w, gated=True)
+        if self.plain_gate_up and decode_matmul_pays(self.rows, 2 * INTERMEDIATE, HIDDEN, DTYPE):
+            return silu_and_mul(decode_matmul(x, w))
+        return silu_and_mul(F.linear(x, w))
 
 
 def row_parallel(x: torch.Tensor, w: torch.Tensor, splitk: bool) -> torch.Tensor:
@@ -173,6 +193,9 @@ def main() -> None:
     if "--sweep" in sys.argv:
         sweep(report)
         return
+    if "--gate-up" in sys.argv:
+        plain_gate_up(report)
+        return
     for rows in ROWS:
         layers = Layers(rows)
         pdl.set_enabled(True)
@@ -197,6 +220,24 @@ def main() -> None:
         report["shapes"].append(dict(rows=rows, context=context, layer_us=layer_us))
         print(f"{rows:3d} rows of {context} keys, layer us: " + ", ".join(
             f"{k} {v:.2f}" for k, v in report["shapes"][-1]["layer_us"].items()), flush=True)
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def plain_gate_up(report: dict) -> None:
+    """The layer as it runs (the shipped routing and PDL) at GATE_UP_SHAPES, gate_up_proj on the
+    plain decode GEMM + silu_and_mul against cuBLAS + silu_and_mul; three rounds, alternating."""
+    for rows, context in GATE_UP_SHAPES:
+        layers = Layers(rows, context)
+        result = {"cublas": [], "plain": []}
+        for _ in range(3):
+            for arm in result:
+                layers.plain_gate_up = arm == "plain"
+                result[arm].append(graph_us(lambda: layers.step("routed")) / LAYERS)
+        report["shapes"].append(dict(rows=rows, context=context, layer_us=result))
+        print(f"{rows:3d} rows of {context} keys, layer us: " + "; ".join(
+            f"{arm} " + " ".join(f"{us:.2f}" for us in runs) for arm, runs in result.items()),
+            flush=True)
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
 

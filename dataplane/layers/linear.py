@@ -93,10 +93,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] projection: [num_tokens, output_sizes[0] / tp].
-        At decode sizes on CUDA the activation is the GEMM's epilogue; else a kernel after it."""
+        At small decode sizes on CUDA the activation is the GEMM's epilogue; else a kernel
+        after the GEMM, which up to decode_matmul.MAX_ROWS_PLAIN is ours too, so that PDL
+        chains it with the norm before and the activation after."""
         assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
         y = _decode_matmul(x, self.weight, self.bias, gated=True)
-        return y if y is not None else _silu_and_mul(F.linear(x, self.weight, self.bias))
+        if y is not None:
+            return y
+        y = _decode_matmul(x, self.weight, self.bias, gated=False)
+        return _silu_and_mul(y if y is not None else F.linear(x, self.weight, self.bias))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -71,8 +71,9 @@ def test_the_default_model_takes_the_bf16_decode_gemm():
                                       MAX_ROWS_PLAIN + 1])
 def test_qkv_and_mlp_layers_in_bf16(num_rows, device, gen):
     """Qwen3-0.6B's qkv_proj and MLP against cuBLAS, silu_and_mul and cuBLAS: the decode GEMM
-    up to MAX_ROWS_PLAIN rows for qkv_proj (its wider tiles above MAX_ROWS) and up to MAX_ROWS
-    for the gated gate_up_proj, cuBLAS above."""
+    up to MAX_ROWS_PLAIN rows for qkv_proj (its wider tiles above MAX_ROWS); for gate_up_proj
+    the gated kernel up to MAX_ROWS, the plain one and silu_and_mul up to MAX_ROWS_PLAIN,
+    cuBLAS above."""
     if not on_gpu(device):
         pytest.skip("the decode GEMM path runs on CUDA only")
     dtype = torch.bfloat16
@@ -85,6 +86,7 @@ def test_qkv_and_mlp_layers_in_bf16(num_rows, device, gen):
                                      scale=3072 ** -0.5))
     assert decode_matmul_pays(num_rows, 4096, 1024, dtype) == (num_rows <= MAX_ROWS_PLAIN)
     assert decode_matmul_pays(num_rows, 3072, 1024, dtype, gated=True) == (num_rows <= MAX_ROWS)
+    assert decode_matmul_pays(num_rows, 6144, 1024, dtype) == (num_rows <= MAX_ROWS_PLAIN)
     x = randn(num_rows, 1024, dtype=dtype, device=device, gen=gen)
     with torch.inference_mode():
         assert_close(qkv(x), torch.nn.functional.linear(x, qkv.weight), dtype)
