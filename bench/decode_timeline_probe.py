@@ -5,7 +5,11 @@ a one-program kernel stamps the timer just before and just after the launch in t
 graph. Per batch of tune_decode.py's shapes: the launch's span against its bytes at the copy
 bandwidth, cut into launch latency, the spread of program starts, prologue, tile loop, merges,
 the spread of program ends and the exit; and whether a program's loop time follows the keys
-its range holds (unequal ranges would say: balance by keys, not tiles).
+its range holds (unequal ranges would say: balance by keys, not tiles). Then whether the spread
+of loop times is the SMs': each program's SM id, how well one replay's per-program loop times
+predict the next's (the same ranges), and how well each SM's streaming rate (keys a us) in one
+shape predicts its rate in another (different ranges, programs and requests). A steady per-SM
+rate would let ranges be sized by SM; a random one leaves only dynamic balancing.
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/decode_timeline_probe.py $OUT/decode_timeline.json
 """
@@ -22,7 +26,8 @@ import run_info
 from kernels import capture_graph, copy_bandwidth, graph_us, kv_bytes
 from tune_decode import SHAPES, problem
 
-from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
+from dataplane.kernels.paged_decode_attention import (
+    TRACE_COLUMNS, paged_decode_attention, plan_decode)
 
 REPLAYS = 20
 
@@ -68,7 +73,8 @@ def probe(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
     plan = plan_decode(*args[:2], *args[3:5])
     out = paged_decode_attention(*args, plan=plan)  # resolves the program count untraced
     num_kv_heads = args[1].shape[2]
-    trace = torch.zeros(num_kv_heads * plan.num_programs, 8, dtype=torch.int64, device=out.device)
+    trace = torch.zeros(num_kv_heads * plan.num_programs, TRACE_COLUMNS, dtype=torch.int64,
+                        device=out.device)
     stamps = torch.zeros(2, dtype=torch.int64, device=out.device)
 
     def traced():
@@ -81,25 +87,60 @@ def probe(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
     traced_us = graph_us(lambda: [paged_decode_attention(*args, plan=plan, out=out, trace=trace)
                                   for _ in range(10)]) / 10
     graph = capture_graph(traced)
-    runs = []
+    runs, traces = [], []
     for _ in range(REPLAYS):
         trace.zero_()
         graph.replay()
         torch.cuda.synchronize()
         t = trace.tolist()
+        traces.append(t)
         ns = sum(r[6] - r[0] for r in t)
         cycles_per_ns = sum(r[7] - r[1] for r in t) / ns if ns else 1.0
         runs.append(timeline(trace, *stamps.tolist(), cycles_per_ns) | dict(
             cycles_per_ns=cycles_per_ns))
     keys = program_keys(plan, plan.num_programs)
-    loops = [r.pop("loop_us_per_program") for r in runs][-1]
+    loop_runs = [r.pop("loop_us_per_program") for r in runs]
+    loops = loop_runs[-1]
     summary = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     ideal_us = kv_bytes(contexts) / copy_bw * 1e6
     return dict(model=model, rows=rows, contexts=[lo, hi], context_tokens=sum(contexts),
                 num_programs=plan.num_programs, ideal_us=ideal_us, plain_us=plain_us,
                 traced_us=traced_us, median=summary,
                 keys_per_program=[min(keys), statistics.median(keys), max(keys)],
-                loop_us_vs_keys=sorted(zip(keys, loops[:len(keys)]))[::max(1, len(keys) // 12)])
+                loop_us_vs_keys=sorted(zip(keys, loops[:len(keys)]))[::max(1, len(keys) // 12)],
+                **by_sm(traces, loop_runs, keys, plan.num_programs))
+
+
+def by_sm(traces: list[list[list[int]]], loop_runs: list[list[float]], keys: list[int],
+          num_programs: int) -> dict:
+    """Per replay, each active program's SM; whether they stay put; the correlation of
+    per-program loop times between consecutive replays; and each SM's keys a us over all
+    replays (for the correlation across shapes)."""
+    active = [[r for r in t if r[2]] for t in traces]
+    sms = [[r[8] for r in a] for a in active]
+    same_sm = statistics.mean(a == b for x, y in zip(sms, sms[1:]) for a, b in zip(x, y))
+    corr = [statistics.correlation(x, y) for x, y in zip(loop_runs, loop_runs[1:])]
+    # records are kv_head * num_programs + prog; every kv head's ranges hold the same keys
+    records = [i for i, r in enumerate(traces[0]) if r[2]]
+    rate: dict[int, list[float]] = {}
+    for run_sms, loop in zip(sms, loop_runs):
+        for record, sm, us in zip(records, run_sms, loop):
+            rate.setdefault(sm, []).append(keys[record % num_programs] / us)
+    return dict(same_sm_fraction=same_sm, replay_loop_correlation=statistics.median(corr),
+                keys_per_us_by_sm={sm: statistics.mean(v) for sm, v in sorted(rate.items())})
+
+
+def across_shapes(report: dict) -> list[dict]:
+    """For each pair of shapes: the correlation of the SMs' keys a us (the SMs both met)."""
+    out = []
+    shapes = report["shapes"]
+    for a, b in zip(shapes, shapes[1:]):
+        ra, rb = a["keys_per_us_by_sm"], b["keys_per_us_by_sm"]
+        common = sorted(set(ra) & set(rb))
+        out.append(dict(rows=[a["rows"], b["rows"]], sms=len(common), correlation=(
+            statistics.correlation([ra[s] for s in common], [rb[s] for s in common])
+            if len(common) > 2 else None)))
+    return out
 
 
 def main() -> None:
@@ -120,9 +161,15 @@ def main() -> None:
               f"{m['loop_max_us']:.1f}], merges {m['merges_us']:.1f} (max "
               f"{m['merges_max_us']:.1f}); end spread {m['end_spread_us']:.1f} (after median "
               f"{m['end_after_median_us']:.1f}), exit {m['exit_us']:.1f}; keys/program "
-              f"{r['keys_per_program']}; {m['cycles_per_ns']:.2f} cycles/ns", flush=True)
+              f"{r['keys_per_program']}; {m['cycles_per_ns']:.2f} cycles/ns; same SM between "
+              f"replays {r['same_sm_fraction']:.2f}, loop times' replay correlation "
+              f"{r['replay_loop_correlation']:.2f}", flush=True)
+        report["sm_rate_correlation_across_shapes"] = across_shapes(report)
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
+    for pair in report["sm_rate_correlation_across_shapes"]:
+        print(f"SMs' keys/us, {pair['rows'][0]} against {pair['rows'][1]} rows: correlation "
+              f"{pair['correlation']} over {pair['sms']} SMs", flush=True)
 
 
 if __name__ == "__main__":

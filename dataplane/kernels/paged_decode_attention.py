@@ -39,6 +39,8 @@ from dataplane.kernels.pdl import launch_options, wait_for_inputs
 LOG2E = 1.4426950408889634
 MAX_PROGRAMS_PER_SM = 8  # bounds the partial-output scratch a plan allocates
 PLAN_CHUNK = 128  # ids the plan kernel moves per vector op
+TRACE_COLUMNS = 10  # a traced program's record: 4 x (timer, cycles), its SM's id, unused
+_TRACE_COLUMNS = tl.constexpr(TRACE_COLUMNS)
 # tile_info's bits above the valid key count (bits 0-15): first tile, last tile, page offset
 _FIRST, _LAST, _OFFSET = tl.constexpr(16), tl.constexpr(17), tl.constexpr(18)
 
@@ -84,15 +86,19 @@ def _plan_kernel(
 
 @triton.jit
 def _stamp(trace_ptr, record, point, after):
-    """For TRACE: the global nanosecond timer and the SM's cycle counter at trace[record, point].
-    The reads wait for `after` (an int32 scalar) and keep their place in program order (the asm
+    """For TRACE: the global nanosecond timer and the SM's cycle counter at trace[record, point],
+    and at point 0 the SM's id in the record's column 8. The reads wait for `after` (an int32 scalar) and keep their place in program order (the asm
     is not pure), so a stamp after the tile loop follows the stores the loop issued."""
     timer = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after],
                                       dtype=tl.int64, is_pure=False, pack=1)
     cycles = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [after],
                                        dtype=tl.int64, is_pure=False, pack=1)
-    tl.store(trace_ptr + record * 8 + point * 2, timer)
-    tl.store(trace_ptr + record * 8 + point * 2 + 1, cycles)
+    tl.store(trace_ptr + record * _TRACE_COLUMNS + point * 2, timer)
+    tl.store(trace_ptr + record * _TRACE_COLUMNS + point * 2 + 1, cycles)
+    if point == 0:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [after], dtype=tl.int32,
+                                       is_pure=False, pack=1)
+        tl.store(trace_ptr + record * _TRACE_COLUMNS + 8, sm.to(tl.int64))
 
 
 @triton.jit
@@ -384,9 +390,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     including the new one. plan: this batch's `plan_decode`, built here from block_tables and
     seq_lens when absent (they are not read otherwise; a model builds one plan a forward).
     config: kernel settings over the defaults (num_warps, num_stages), for tuning. trace: for
-    probes, [num_kv_heads * num_programs, 8] int64 zeros, filled with each program's global timer
-    (ns) and cycle counter at its start, once its first request is known, after its tile loop
-    and at its end (a program with no tiles writes only the first and last). Returns out:
+    probes, [num_kv_heads * num_programs, TRACE_COLUMNS] int64 zeros, filled with each program's
+    global timer (ns) and cycle counter at its start, once its first request is known, after its
+    tile loop and at its end (a program with no tiles writes only the first and last), then the
+    id of the SM it ran on. Returns out:
     [num_reqs, num_heads, head_dim]."""
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -418,7 +425,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         plan.num_programs = _programs_per_head(q.device, num_kv_heads, plan.max_programs, args,
                                                constexprs)
     if trace is not None:
-        assert trace.shape == (num_kv_heads * plan.num_programs, 8) and trace.dtype == torch.int64
+        assert trace.shape == (num_kv_heads * plan.num_programs, TRACE_COLUMNS)
+        assert trace.dtype == torch.int64
         assert trace.is_contiguous() and trace.device == q.device
     _decode_kernel[(num_kv_heads, plan.num_programs)](*args, **constexprs)
     return out
