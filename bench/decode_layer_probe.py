@@ -29,7 +29,8 @@ import run_info
 from kernels import graph_us
 
 from dataplane.kernels import pdl
-from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays, decode_matmul_ref
+from dataplane.kernels.decode_matmul import (MAX_ROWS_PLAIN_MLP, decode_matmul,
+                                             decode_matmul_pays, decode_matmul_ref)
 from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
 from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
 from dataplane.kernels.silu_and_mul import silu_and_mul
@@ -79,7 +80,7 @@ class Layers:
         self.seq_lens = torch.full((rows,), context, device="cuda", dtype=torch.int32)
         self.positions = torch.full((rows,), context - 1, device="cuda", dtype=torch.int64)
         self.splitk = False  # split-K row-parallel layers at any batch size
-        self.plain_gate_up = True  # "routed": gate_up on the plain decode GEMM where it pays
+        self.plain_gate_up = None  # "routed": gate_up on the plain GEMM (None: as the layer)
         self.slots = (self.block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)
         self.cos_sin = torch.randn(context, HEAD_DIM, device="cuda")
         self.q_like = torch.empty(rows, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -119,11 +120,13 @@ class Layers:
 
 
     def routed_gate_up(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """What MergedColumnParallelLinear.silu_and_mul runs (plain_gate_up off: cuBLAS and
-        silu_and_mul wherever the gated kernel does not pay)."""
+        """What MergedColumnParallelLinear.silu_and_mul runs (plain_gate_up True or False: the
+        plain GEMM or cuBLAS wherever the gated kernel does not pay, whatever the bound)."""
         if decode_matmul_pays(self.rows, INTERMEDIATE, HIDDEN, DTYPE, gated=True):
             return decode_matmul(x, w, gated=True)
-        if self.plain_gate_up and decode_matmul_pays(self.rows, 2 * INTERMEDIATE, HIDDEN, DTYPE):
+        plain = (self.rows <= MAX_ROWS_PLAIN_MLP if self.plain_gate_up is None
+                 else self.plain_gate_up)
+        if plain and decode_matmul_pays(self.rows, 2 * INTERMEDIATE, HIDDEN, DTYPE):
             return silu_and_mul(decode_matmul(x, w))
         return silu_and_mul(F.linear(x, w))
 

@@ -48,6 +48,30 @@ def program_keys(plan, num_programs: int) -> list[int]:
     return [keys[hi - 1] - (keys[lo - 1] if lo else 0) for lo, hi in zip(bounds, bounds[1:])]
 
 
+def program_requests(plan, num_programs: int) -> list[int]:
+    """Requests (whole or in part) in each program's range of one kv head."""
+    total = int(plan.req_tile_start[-1])
+    firsts = ((plan.tile_info[:total] >> 16) & 1).long().cumsum(0).tolist()
+    active = min(num_programs, total)
+    bounds = [p * total // active for p in range(active + 1)]
+    begun = [(int(plan.tile_info[lo]) >> 16) & 1 for lo in bounds[:-1]]  # range starts a request
+    return [firsts[hi - 1] - (firsts[lo - 1] if lo else 0) + 1 - first
+            for lo, hi, first in zip(bounds, bounds[1:], begun)]
+
+
+def fit(loops: list[float], keys: list[int], requests: list[int]) -> dict:
+    """Least squares loop_us = a + b * keys + c * requests over one kv head's ranges (every head
+    walks the same ranges: the median over heads), with each regressor's correlation alone."""
+    x = torch.tensor([[1.0, k, r] for k, r in zip(keys, requests)], dtype=torch.float64)
+    y = torch.tensor(loops, dtype=torch.float64)
+    coef = torch.linalg.lstsq(x, y[:, None]).solution.flatten().tolist()
+    residual = (y - x @ torch.tensor(coef, dtype=torch.float64)).std().item()
+    return dict(us=coef[0], us_per_key=coef[1], us_per_request=coef[2], residual_std_us=residual,
+                spread_std_us=y.std().item(),
+                keys_correlation=statistics.correlation(loops, [float(k) for k in keys]),
+                requests_correlation=statistics.correlation(loops, [float(r) for r in requests]))
+
+
 def timeline(trace: torch.Tensor, before: int, after: int, cycles_per_ns: float) -> dict:
     """One launch's phases in us; per-program phases from the cycle counter."""
     t = trace.tolist()
@@ -99,8 +123,13 @@ def probe(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
         runs.append(timeline(trace, *stamps.tolist(), cycles_per_ns) | dict(
             cycles_per_ns=cycles_per_ns))
     keys = program_keys(plan, plan.num_programs)
+    requests = program_requests(plan, plan.num_programs)
     loop_runs = [r.pop("loop_us_per_program") for r in runs]
     loops = loop_runs[-1]
+    # the median over replays and kv heads of each range's loop time
+    per_range = [statistics.median(run[h * len(keys) + i] for run in loop_runs
+                                   for h in range(len(run) // len(keys)))
+                 for i in range(len(keys))]
     summary = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     ideal_us = kv_bytes(contexts) / copy_bw * 1e6
     return dict(model=model, rows=rows, contexts=[lo, hi], context_tokens=sum(contexts),
@@ -108,6 +137,7 @@ def probe(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
                 traced_us=traced_us, median=summary,
                 keys_per_program=[min(keys), statistics.median(keys), max(keys)],
                 loop_us_vs_keys=sorted(zip(keys, loops[:len(keys)]))[::max(1, len(keys) // 12)],
+                loop_fit=fit(per_range, keys, requests) if len(keys) > 3 else None,
                 **by_sm(traces, loop_runs, keys, plan.num_programs))
 
 
@@ -163,7 +193,7 @@ def main() -> None:
               f"{m['end_after_median_us']:.1f}), exit {m['exit_us']:.1f}; keys/program "
               f"{r['keys_per_program']}; {m['cycles_per_ns']:.2f} cycles/ns; same SM between "
               f"replays {r['same_sm_fraction']:.2f}, loop times' replay correlation "
-              f"{r['replay_loop_correlation']:.2f}", flush=True)
+              f"{r['replay_loop_correlation']:.2f}; loop fit {r['loop_fit']}", flush=True)
         report["sm_rate_correlation_across_shapes"] = across_shapes(report)
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)

@@ -71,6 +71,12 @@ def _decode_matmul_kernel(
 # gated kernel still loses there (8.4 against 7.2 us) and stops at 32.
 MAX_ROWS = 32  # gated
 MAX_ROWS_PLAIN = 128  # pdl.MAX_ROWS's bound, measured on its own: beyond it ours loses alone
+# gate_up_proj on the plain kernel and silu_and_mul after it, above MAX_ROWS: on the H200
+# (decode_layer_probe.py --gate-up, gate_up-8acdd6b.json, us a layer as it runs against cuBLAS +
+# silu_and_mul) 83.1 against 85.2 at 48 rows, 99.9 against 100.2 at 64, but 125.0 against 121.1
+# at 96 and 138.1 against 133.4 at 128; workload A's decode steps of 33-64 rows 0.9% faster,
+# 65-128 rows 1.9-2.1% slower (qwen3-0.6b-inprocess-tp1-8acdd6b-gate-up-{plain128,cublas}-*.json).
+MAX_ROWS_PLAIN_MLP = 64
 SMALL_TILE_ROWS = 32  # _CONFIG up to here, _WIDE_CONFIG above
 MAX_K = 1024  # Qwen3-0.6B's hidden size; wider inputs keep cuBLAS (not measured)
 # the probe's best at 1-32 rows, plain and gated (BLOCK_M 16 at 1-8 rows; one variant here)

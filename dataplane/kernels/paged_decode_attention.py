@@ -87,8 +87,9 @@ def _plan_kernel(
 @triton.jit
 def _stamp(trace_ptr, record, point, after):
     """For TRACE: the global nanosecond timer and the SM's cycle counter at trace[record, point],
-    and at point 0 the SM's id in the record's column 8. The reads wait for `after` (an int32 scalar) and keep their place in program order (the asm
-    is not pure), so a stamp after the tile loop follows the stores the loop issued."""
+    and at point 0 the SM's id in the record's column 8. The reads wait for `after` (an int32
+    scalar) and keep their place in program order (the asm is not pure), so a stamp after the
+    tile loop follows the stores the loop issued."""
     timer = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after],
                                       dtype=tl.int64, is_pure=False, pack=1)
     cycles = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [after],

@@ -53,15 +53,18 @@ class ReplicatedLinear(_Linear):
 
 
 def _decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   gated: bool) -> torch.Tensor | None:
+                   gated: bool, before_silu: bool = False) -> torch.Tensor | None:
     """The decode GEMM's output where it pays (a CUDA batch of decode size, no bias), else
-    None (kernels/decode_matmul.py: cuBLAS's floor there is ~2x the weights' bytes)."""
+    None (kernels/decode_matmul.py: cuBLAS's floor there is ~2x the weights' bytes).
+    before_silu: plain, for a separate SiLU-and-mul (its own, lower, bound)."""
     if not x.is_cuda or bias is not None or x.dim() != 2 or x.stride(1) != 1 \
             or x.dtype != weight.dtype:
         return None
-    from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays
+    from dataplane.kernels.decode_matmul import (MAX_ROWS_PLAIN_MLP, decode_matmul,
+                                                 decode_matmul_pays)
     n, k = weight.shape
-    if not decode_matmul_pays(x.shape[0], n // 2 if gated else n, k, x.dtype, gated):
+    if not decode_matmul_pays(x.shape[0], n // 2 if gated else n, k, x.dtype, gated) \
+            or (before_silu and x.shape[0] > MAX_ROWS_PLAIN_MLP):
         return None
     return decode_matmul(x, weight, gated=gated)
 
@@ -94,13 +97,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] projection: [num_tokens, output_sizes[0] / tp].
         At small decode sizes on CUDA the activation is the GEMM's epilogue; else a kernel
-        after the GEMM, which up to decode_matmul.MAX_ROWS_PLAIN is ours too, so that PDL
+        after the GEMM, which up to decode_matmul.MAX_ROWS_PLAIN_MLP is ours too, so that PDL
         chains it with the norm before and the activation after."""
         assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
         y = _decode_matmul(x, self.weight, self.bias, gated=True)
         if y is not None:
             return y
-        y = _decode_matmul(x, self.weight, self.bias, gated=False)
+        y = _decode_matmul(x, self.weight, self.bias, gated=False, before_silu=True)
         return _silu_and_mul(y if y is not None else F.linear(x, self.weight, self.bias))
 
 
