@@ -68,8 +68,15 @@ def fit(loops: list[float], keys: list[int], requests: list[int]) -> dict:
     residual = (y - x @ torch.tensor(coef, dtype=torch.float64)).std().item()
     return dict(us=coef[0], us_per_key=coef[1], us_per_request=coef[2], residual_std_us=residual,
                 spread_std_us=y.std().item(),
-                keys_correlation=statistics.correlation(loops, [float(k) for k in keys]),
-                requests_correlation=statistics.correlation(loops, [float(r) for r in requests]))
+                keys_correlation=correlation(loops, keys),
+                requests_correlation=correlation(loops, requests))
+
+
+def correlation(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson's r, None where either side is constant."""
+    if len(set(xs)) < 2 or len(set(ys)) < 2:
+        return None
+    return statistics.correlation([float(x) for x in xs], [float(y) for y in ys])
 
 
 def timeline(trace: torch.Tensor, before: int, after: int, cycles_per_ns: float) -> dict:
@@ -138,6 +145,10 @@ def probe(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
                 keys_per_program=[min(keys), statistics.median(keys), max(keys)],
                 loop_us_vs_keys=sorted(zip(keys, loops[:len(keys)]))[::max(1, len(keys) // 12)],
                 loop_fit=fit(per_range, keys, requests) if len(keys) > 3 else None,
+                # one range's kv heads (the same pages, other 256-byte slices) against each other
+                heads_spread_us=statistics.median(
+                    max(ys) - min(ys) for i in range(len(keys))
+                    if (ys := [loops[h * len(keys) + i] for h in range(len(loops) // len(keys))])),
                 **by_sm(traces, loop_runs, keys, plan.num_programs))
 
 
@@ -149,14 +160,15 @@ def by_sm(traces: list[list[list[int]]], loop_runs: list[list[float]], keys: lis
     active = [[r for r in t if r[2]] for t in traces]
     sms = [[r[8] for r in a] for a in active]
     same_sm = statistics.mean(a == b for x, y in zip(sms, sms[1:]) for a, b in zip(x, y))
-    corr = [statistics.correlation(x, y) for x, y in zip(loop_runs, loop_runs[1:])]
+    corr = [c for x, y in zip(loop_runs, loop_runs[1:]) if (c := correlation(x, y)) is not None]
     # records are kv_head * num_programs + prog; every kv head's ranges hold the same keys
     records = [i for i, r in enumerate(traces[0]) if r[2]]
     rate: dict[int, list[float]] = {}
     for run_sms, loop in zip(sms, loop_runs):
         for record, sm, us in zip(records, run_sms, loop):
             rate.setdefault(sm, []).append(keys[record % num_programs] / us)
-    return dict(same_sm_fraction=same_sm, replay_loop_correlation=statistics.median(corr),
+    return dict(same_sm_fraction=same_sm,
+                replay_loop_correlation=statistics.median(corr) if corr else None,
                 keys_per_us_by_sm={sm: statistics.mean(v) for sm, v in sorted(rate.items())})
 
 
@@ -168,7 +180,7 @@ def across_shapes(report: dict) -> list[dict]:
         ra, rb = a["keys_per_us_by_sm"], b["keys_per_us_by_sm"]
         common = sorted(set(ra) & set(rb))
         out.append(dict(rows=[a["rows"], b["rows"]], sms=len(common), correlation=(
-            statistics.correlation([ra[s] for s in common], [rb[s] for s in common])
+            correlation([ra[s] for s in common], [rb[s] for s in common])
             if len(common) > 2 else None)))
     return out
 
@@ -193,7 +205,8 @@ def main() -> None:
               f"{m['end_after_median_us']:.1f}), exit {m['exit_us']:.1f}; keys/program "
               f"{r['keys_per_program']}; {m['cycles_per_ns']:.2f} cycles/ns; same SM between "
               f"replays {r['same_sm_fraction']:.2f}, loop times' replay correlation "
-              f"{r['replay_loop_correlation']:.2f}; loop fit {r['loop_fit']}", flush=True)
+              f"{r['replay_loop_correlation']}; a range's heads spread {r['heads_spread_us']:.1f} us; "
+              f"loop fit {r['loop_fit']}", flush=True)
         report["sm_rate_correlation_across_shapes"] = across_shapes(report)
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
