@@ -9,7 +9,9 @@ its range holds (unequal ranges would say: balance by keys, not tiles). Then whe
 of loop times is the SMs': each program's SM id, how well one replay's per-program loop times
 predict the next's (the same ranges), and how well each SM's streaming rate (keys a us) in one
 shape predicts its rate in another (different ranges, programs and requests). A steady per-SM
-rate would let ranges be sized by SM; a random one leaves only dynamic balancing.
+rate would let ranges be sized by SM; a random one leaves only dynamic balancing. Last, at 256
+and 128 rows, whether the ranges' loop times follow the pages they read: the same contexts over
+the same pages twice, then over other pages.
 
     PYTHONPATH=$PWD:$PWD/bench python3 bench/decode_timeline_probe.py $OUT/decode_timeline.json
 """
@@ -30,6 +32,7 @@ from dataplane.kernels.paged_decode_attention import (
     TRACE_COLUMNS, paged_decode_attention, plan_decode)
 
 REPLAYS = 20
+RESHUFFLE_ROWS = (256, 128)
 
 
 @triton.jit
@@ -145,6 +148,7 @@ def probe(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
                 keys_per_program=[min(keys), statistics.median(keys), max(keys)],
                 loop_us_vs_keys=sorted(zip(keys, loops[:len(keys)]))[::max(1, len(keys) // 12)],
                 loop_fit=fit(per_range, keys, requests) if len(keys) > 3 else None,
+                per_range_loop_us=per_range,
                 # one range's kv heads (the same pages, other 256-byte slices) against each other
                 heads_spread_us=statistics.median(
                     max(ys) - min(ys) for i in range(len(keys))
@@ -213,6 +217,24 @@ def main() -> None:
     for pair in report["sm_rate_correlation_across_shapes"]:
         print(f"SMs' keys/us, {pair['rows'][0]} against {pair['rows'][1]} rows: correlation "
               f"{pair['correlation']} over {pair['sms']} SMs", flush=True)
+    report["reshuffled"] = [reshuffled(model, rows, lo, hi, copy_bw) for model, rows, lo, hi
+                            in SHAPES if model == "qwen3-0.6b" and rows in RESHUFFLE_ROWS]
+    with open(sys.argv[1], "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def reshuffled(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
+    """The same contexts (so the same ranges) over the pages of three permutations, seeds 1, 1
+    and 2: do a range's loop times follow its pages? The repeat of seed 1 is the control."""
+    loops = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        loops.append(probe(model, rows, lo, hi, copy_bw)["per_range_loop_us"])
+    result = dict(rows=rows, same_pages=correlation(loops[0], loops[1]),
+                  other_pages=correlation(loops[0], loops[2]))
+    print(f"{rows:3d} rows, ranges' loop times: r {result['same_pages']} over the same pages, "
+          f"{result['other_pages']} over others", flush=True)
+    return result
 
 
 if __name__ == "__main__":
