@@ -394,8 +394,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     probes, [num_kv_heads * num_programs, TRACE_COLUMNS] int64 zeros, filled with each program's
     global timer (ns) and cycle counter at its start, once its first request is known, after its
     tile loop and at its end (a program with no tiles writes only the first and last), then the
-    id of the SM it ran on. Returns out:
-    [num_reqs, num_heads, head_dim]."""
+    id of the SM it ran on. Returns out: [num_reqs, num_heads, head_dim]."""
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     check_paged_attention_inputs(q, k_cache, v_cache)
