@@ -29,8 +29,7 @@ import run_info
 from kernels import graph_us
 
 from dataplane.kernels import pdl
-from dataplane.kernels.decode_matmul import (MAX_ROWS_PLAIN_MLP, decode_matmul,
-                                             decode_matmul_pays, decode_matmul_ref)
+from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays, decode_matmul_ref
 from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
 from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
 from dataplane.kernels.silu_and_mul import silu_and_mul
@@ -118,18 +117,17 @@ class Layers:
             hidden = row_parallel(act, self.down[i], self.splitk)
         self.norm(hidden, residual)
 
-
     def routed_gate_up(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """What MergedColumnParallelLinear.silu_and_mul runs (plain_gate_up True or False: the
-        plain GEMM or cuBLAS wherever the gated kernel does not pay, whatever the bound)."""
+        """What MergedColumnParallelLinear.silu_and_mul runs; plain_gate_up True or False: the
+        plain GEMM or cuBLAS wherever the gated kernel does not pay, past decode_matmul_pays's
+        bound for it (up to the plain kernel's own)."""
         if decode_matmul_pays(self.rows, INTERMEDIATE, HIDDEN, DTYPE, gated=True):
             return decode_matmul(x, w, gated=True)
-        plain = (self.rows <= MAX_ROWS_PLAIN_MLP if self.plain_gate_up is None
-                 else self.plain_gate_up)
-        if plain and decode_matmul_pays(self.rows, 2 * INTERMEDIATE, HIDDEN, DTYPE):
+        forced = self.plain_gate_up is not None
+        if (self.plain_gate_up is not False and decode_matmul_pays(
+                self.rows, 2 * INTERMEDIATE, HIDDEN, DTYPE, before_silu=not forced)):
             return silu_and_mul(decode_matmul(x, w))
         return silu_and_mul(F.linear(x, w))
-
 
 def row_parallel(x: torch.Tensor, w: torch.Tensor, splitk: bool) -> torch.Tensor:
     """What RowParallelLinear(feeds_norm=True) runs on one GPU (splitk: split-K whatever the

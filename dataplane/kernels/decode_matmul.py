@@ -96,12 +96,14 @@ def decode_matmul_config(dtype: torch.dtype, num_rows: int = 1) -> dict:
 
 
 def decode_matmul_pays(num_rows: int, n: int, k: int, dtype: torch.dtype,
-                       gated: bool = False) -> bool:
+                       gated: bool = False, before_silu: bool = False) -> bool:
     """Whether decode_matmul beats cuBLAS (and a separate SiLU-and-mul) for this GEMM and its
-    tiles divide the shape. n: the output's width (gated: the width of gate alone). Float32
-    takes it on the same bounds, untimed, so the float32 GPU tests against transformers run it."""
+    tiles divide the shape. n: the output's width (gated: the width of gate alone). before_silu:
+    plain, for gate_up_proj with a separate SiLU-and-mul after it. Float32 takes it on the same
+    bounds, untimed, so the float32 GPU tests against transformers run it."""
     cfg = decode_matmul_config(dtype, num_rows)
-    return (0 < num_rows <= (MAX_ROWS if gated else MAX_ROWS_PLAIN) and k <= MAX_K
+    max_rows = MAX_ROWS if gated else MAX_ROWS_PLAIN_MLP if before_silu else MAX_ROWS_PLAIN
+    return (0 < num_rows <= max_rows and k <= MAX_K
             and n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0)
 
 

@@ -56,15 +56,14 @@ def _decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    gated: bool, before_silu: bool = False) -> torch.Tensor | None:
     """The decode GEMM's output where it pays (a CUDA batch of decode size, no bias), else
     None (kernels/decode_matmul.py: cuBLAS's floor there is ~2x the weights' bytes).
-    before_silu: plain, for a separate SiLU-and-mul (its own, lower, bound)."""
+    before_silu: plain, for a separate SiLU-and-mul (decode_matmul_pays)."""
     if not x.is_cuda or bias is not None or x.dim() != 2 or x.stride(1) != 1 \
             or x.dtype != weight.dtype:
         return None
-    from dataplane.kernels.decode_matmul import (MAX_ROWS_PLAIN_MLP, decode_matmul,
-                                                 decode_matmul_pays)
+    from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays
     n, k = weight.shape
-    if not decode_matmul_pays(x.shape[0], n // 2 if gated else n, k, x.dtype, gated) \
-            or (before_silu and x.shape[0] > MAX_ROWS_PLAIN_MLP):
+    if not decode_matmul_pays(x.shape[0], n // 2 if gated else n, k, x.dtype, gated,
+                              before_silu):
         return None
     return decode_matmul(x, weight, gated=gated)
 

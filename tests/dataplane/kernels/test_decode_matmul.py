@@ -87,6 +87,8 @@ def test_qkv_and_mlp_layers_in_bf16(num_rows, device, gen):
                                      scale=3072 ** -0.5))
     assert decode_matmul_pays(num_rows, 4096, 1024, dtype) == (num_rows <= MAX_ROWS_PLAIN)
     assert decode_matmul_pays(num_rows, 3072, 1024, dtype, gated=True) == (num_rows <= MAX_ROWS)
+    assert decode_matmul_pays(num_rows, 6144, 1024, dtype, before_silu=True) == (
+        num_rows <= MAX_ROWS_PLAIN_MLP)
     x = randn(num_rows, 1024, dtype=dtype, device=device, gen=gen)
     with torch.inference_mode():
         assert_close(qkv(x), torch.nn.functional.linear(x, qkv.weight), dtype)
