@@ -42,24 +42,30 @@ def _timer_kernel(out_ptr):
     tl.store(out_ptr, t)
 
 
-def program_keys(plan, num_programs: int) -> list[int]:
-    """Valid keys in each program's range of one kv head (every head's ranges are the same)."""
+def range_bounds(plan, num_programs: int) -> list[int]:
+    """The first tile of each program's range of one kv head, then the list's end (every head's
+    ranges are the same: the kernel's equal cut of the tile list)."""
     total = int(plan.req_tile_start[-1])
-    keys = (plan.tile_info[:total] & 0xFFFF).long().cumsum(0).tolist()
     active = min(num_programs, total)
-    bounds = [p * total // active for p in range(active + 1)]
-    return [keys[hi - 1] - (keys[lo - 1] if lo else 0) for lo, hi in zip(bounds, bounds[1:])]
+    return [p * total // active for p in range(active + 1)]
+
+
+def range_sums(bounds: list[int], per_tile: torch.Tensor) -> list[int]:
+    sums = per_tile[:bounds[-1]].long().cumsum(0).tolist()
+    return [sums[hi - 1] - (sums[lo - 1] if lo else 0) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def program_keys(plan, num_programs: int) -> list[int]:
+    """Valid keys in each program's range."""
+    return range_sums(range_bounds(plan, num_programs), plan.tile_info & 0xFFFF)
 
 
 def program_requests(plan, num_programs: int) -> list[int]:
-    """Requests (whole or in part) in each program's range of one kv head."""
-    total = int(plan.req_tile_start[-1])
-    firsts = ((plan.tile_info[:total] >> 16) & 1).long().cumsum(0).tolist()
-    active = min(num_programs, total)
-    bounds = [p * total // active for p in range(active + 1)]
-    begun = [(int(plan.tile_info[lo]) >> 16) & 1 for lo in bounds[:-1]]  # range starts a request
-    return [firsts[hi - 1] - (firsts[lo - 1] if lo else 0) + 1 - first
-            for lo, hi, first in zip(bounds, bounds[1:], begun)]
+    """Requests (whole or in part) in each program's range: the first tiles it holds, and one
+    more where it begins inside a request."""
+    bounds = range_bounds(plan, num_programs)
+    firsts = (plan.tile_info >> 16) & 1
+    return [n + 1 - int(firsts[lo]) for n, lo in zip(range_sums(bounds, firsts), bounds)]
 
 
 def fit(loops: list[float], keys: list[int], requests: list[int]) -> dict:
