@@ -51,14 +51,17 @@ def figures(before, after, done) -> dict:
 
 
 def step_times(before, after) -> dict:
-    """From GetLoad before and after: how many steps had prompt tokens, and the data plane's
-    own mean host and total milliseconds of a prompt step and of a decode step."""
+    """From GetLoad before and after: how many steps had prompt tokens, the data plane's own
+    mean host and total milliseconds of a prompt step and of a decode step, and the seconds
+    the device sat idle waiting for the host before each kind (in-process runs report the
+    same as device_time's device_idle_s)."""
     steps = after.num_steps - before.num_steps
     prompt_steps = after.num_prompt_steps - before.num_prompt_steps
+    spent = lambda field: getattr(after, field) - getattr(before, field)  # noqa: E731
     out = {"num_prompt_steps": prompt_steps}
     for kind, count in (("prompt", prompt_steps), ("decode", steps - prompt_steps)):
         for part in ("host", "total"):
             field = f"{kind}_step_{part}_seconds"
-            spent = getattr(after, field) - getattr(before, field)
-            out[f"{kind}_step_{part}_ms"] = 1e3 * spent / count if count else None
+            out[f"{kind}_step_{part}_ms"] = 1e3 * spent(field) / count if count else None
+        out[f"{kind}_step_device_idle_s"] = spent(f"{kind}_step_device_idle_seconds")
     return out

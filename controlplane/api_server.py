@@ -156,4 +156,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                    prompt_step_host_seconds=times.prompt_host_s,
                                    prompt_step_total_seconds=times.prompt_total_s,
                                    decode_step_host_seconds=times.decode_host_s,
-                                   decode_step_total_seconds=times.decode_total_s)
+                                   decode_step_total_seconds=times.decode_total_s,
+                                   prompt_step_device_idle_seconds=times.prompt_device_idle_s,
+                                   decode_step_device_idle_seconds=times.decode_device_idle_s)

@@ -28,6 +28,7 @@ from controlplane.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from controlplane.step_codec import MalformedResult, TokenLogprobs, decode_result, encode_step
 from controlplane.streams import Chunk, Releases, RequestStream
 from controlplane.tokenizer import Tokenizer
+from protos import link_pb2
 
 log = logging.getLogger("splitserve.engine")
 _RELEASE_BATCH = 16  # streams woken per turn of the loop while a step runs
@@ -37,22 +38,30 @@ _RELEASE_BATCH = 16  # streams woken per turn of the loop while a step runs
 class StepTimes:
     """The data plane's own timings of its steps (StepResult.timings), summed by kind: prompt
     steps have a request with more than one new token (they run without CUDA graphs), decode
-    steps do not. GetLoad reports them."""
+    steps do not. GetLoad reports them. The device's idle time counts only before steps sent
+    while another was in flight: before the others the device waited for work, not for the
+    host."""
 
     num_prompt_steps: int = 0
     prompt_host_s: float = 0.0
     prompt_total_s: float = 0.0
+    prompt_device_idle_s: float = 0.0
     decode_host_s: float = 0.0
     decode_total_s: float = 0.0
+    decode_device_idle_s: float = 0.0
 
-    def observe(self, is_prompt_step: bool, host_ms: float, total_ms: float) -> None:
+    def observe(self, is_prompt_step: bool, timings: link_pb2.Timings,
+                sent_behind_another: bool) -> None:
+        idle_s = timings.device_idle_ms / 1e3 if sent_behind_another else 0.0
         if is_prompt_step:
             self.num_prompt_steps += 1
-            self.prompt_host_s += host_ms / 1e3
-            self.prompt_total_s += total_ms / 1e3
+            self.prompt_host_s += timings.forward_ms / 1e3
+            self.prompt_total_s += timings.total_ms / 1e3
+            self.prompt_device_idle_s += idle_s
         else:
-            self.decode_host_s += host_ms / 1e3
-            self.decode_total_s += total_ms / 1e3
+            self.decode_host_s += timings.forward_ms / 1e3
+            self.decode_total_s += timings.total_ms / 1e3
+            self.decode_device_idle_s += idle_s
 
 
 class Attachment(enum.Enum):
@@ -96,6 +105,7 @@ class _InFlight:
     num_tokens: int
     reply: asyncio.Task
     started: float
+    sent_behind_another: bool  # another step was in flight when this one was sent
 
 
 class Engine:
@@ -318,8 +328,8 @@ class Engine:
             self._in_flight.popleft()
             self.num_steps += 1
             self.deadline.observe(step.num_tokens, time.monotonic() - step.started)
-            self.step_times.observe(step.num_tokens > len(step.out.scheduled),
-                                    result.timings.forward_ms, result.timings.total_ms)
+            self.step_times.observe(step.num_tokens > len(step.out.scheduled), result.timings,
+                                    step.sent_behind_another)
             self._process(step.out, tokens, logprobs)
 
     def _launch(self, epoch: int) -> bool:
@@ -338,7 +348,8 @@ class Engine:
         self._last_step_id = step.step_id
         reply = asyncio.ensure_future(self.dataplane.execute(
             step, epoch, self.deadline.timeout_for(queued)))
-        self._in_flight.append(_InFlight(step.step_id, out, num_tokens, reply, time.monotonic()))
+        self._in_flight.append(_InFlight(step.step_id, out, num_tokens, reply, time.monotonic(),
+                                         bool(self._in_flight)))
         return True
 
     def _process(self, out: SchedulerOutput, tokens: list[int],

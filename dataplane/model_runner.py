@@ -68,9 +68,20 @@ class PendingStep:
     # logprobs asked per sampled row, read at submit: by finish() the next step may have given
     # a finished request's slot to another request
     num_logprobs: np.ndarray | None = None
+    # rank 0 on CUDA: timing events at the start of this step's device work and at the end of
+    # the step's before it (None for the first step of an epoch), for Timings.device_idle_ms
+    device_start: torch.cuda.Event | None = None
+    previous_end: torch.cuda.Event | None = None
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()
+
+    def device_idle_ms(self) -> float:
+        """The device's idle time between the previous step's work and this one's, once this
+        step's work has started (0 when that is not known yet, or not on CUDA)."""
+        if self.previous_end is None or not self.device_start.query():
+            return 0.0
+        return self.previous_end.elapsed_time(self.device_start)
 
 
 class ModelRunner:
@@ -87,6 +98,7 @@ class ModelRunner:
         self.kv: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self._last_end: torch.cuda.Event | None = None  # the last step's, on rank 0 on CUDA
 
     @classmethod
     def load(cls, config: RunnerConfig) -> "ModelRunner":
@@ -114,6 +126,7 @@ class ModelRunner:
         """Size and allocate the KV cache and slot tables for these limits, capture the CUDA
         graphs; returns the number of KV blocks."""
         self.kv = self.graphs = self.mixed_graphs = self.batch = None  # free the old epoch's first
+        self._last_end = None  # (the idle before an epoch's first step is not a step's)
         self._unbind_kv_cache()  # the layers' views would keep the old cache through the sizing
         batch_limits = BatchLimits(limits.max_num_seqs, limits.max_model_len,
                                    limits.max_num_batched_tokens, self.block_size, self.vocab_size)
@@ -321,8 +334,10 @@ class ModelRunner:
         """Launch the step on every rank: forward, sampling on rank 0, sampled tokens to every
         rank's token table and (rank 0) on their way to the host."""
         started = time.perf_counter()
+        timed = self.device.type == "cuda" and tp_rank() == 0
+        device_start = _timing_event() if timed else None
         logits, inputs = self.forward(step)
-        out, host_tokens, done = None, None, None
+        out, host_tokens = None, None
         sampled_slots = inputs.sampled_slots if inputs is not None else np.empty(0, np.int64)
         if len(sampled_slots):
             token_ids = torch.empty(len(sampled_slots), dtype=torch.int64, device=self.device)
@@ -332,21 +347,23 @@ class ModelRunner:
             broadcast_from_rank0(token_ids)
             self.batch.append_sampled(inputs, token_ids)
             if tp_rank() == 0:
-                host_tokens, done = self._to_host(token_ids)
+                host_tokens = self._to_host(token_ids)
         num_logprobs = None
         if out is not None and out.logprobs is not None:
             num_logprobs = self.batch.params.num_logprobs[sampled_slots]  # (a copy)
+        end, previous_end = None, self._last_end
+        if timed:
+            end = self._last_end = _timing_event()
+        done = end if host_tokens is not None else None
         return PendingStep(step.step_id, started, time.perf_counter(), sampled_slots, out,
-                           host_tokens, done, num_logprobs)
+                           host_tokens, done, num_logprobs, device_start, previous_end)
 
-    def _to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def _to_host(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
-            return token_ids, None
+            return token_ids
         host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
         host.copy_(token_ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+        return host
 
     def finish(self, pending: PendingStep) -> link_pb2.StepResult | None:
         """Wait for a submitted step's tokens; rank 0 returns the result."""
@@ -357,12 +374,19 @@ class ModelRunner:
         done = time.perf_counter()
         timings = link_pb2.Timings(forward_ms=1e3 * (pending.submitted - pending.started),
                                    sample_ms=1e3 * (done - pending.submitted),
-                                   total_ms=1e3 * (done - pending.started))
+                                   total_ms=1e3 * (done - pending.started),
+                                   device_idle_ms=pending.device_idle_ms())
         tokens = pending.host_tokens.tolist() if pending.host_tokens is not None else []
         return _result(pending.step_id, tokens, pending.out, pending.num_logprobs, timings)
 
     def execute(self, step: link_pb2.Step) -> link_pb2.StepResult | None:
         return self.finish(self.submit(step))
+
+
+def _timing_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _result(step_id: int, token_ids: list[int], out: SamplerOutput | None,

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -114,6 +115,25 @@ def steps_with_prompts(runner: ModelRunner) -> list[torch.Tensor]:
         for s in scheds:
             computed[s.slot] = s.num_computed + s.num_scheduled
     return logits
+
+
+def test_steps_report_how_long_the_device_waited_for_them(checkpoints):
+    """Timings.device_idle_ms: none for an epoch's first step; at least the host's pause for a
+    step submitted after the device ran dry; less than that for one queued behind another."""
+    runner = ModelRunner.load(RunnerConfig(model_dir=checkpoints["untied"], device="cuda",
+                                           dtype="float32", num_kv_blocks=64))
+    runner.configure(configure())
+    first = runner.execute(make_step(1, [Sched(0, 0, 7, [0, 1], new_tokens=PROMPTS[0])]))
+    time.sleep(0.05)  # the device has nothing to do meanwhile
+    after_pause = runner.execute(make_step(2, [Sched(0, 7, 1)]))
+    ahead = runner.submit(make_step(3, [Sched(0, 8, 1)]))
+    behind = runner.submit(make_step(4, [Sched(0, 9, 1)]))
+    runner.finish(ahead)
+    queued = runner.finish(behind)
+    runner.release()
+    assert first.timings.device_idle_ms == 0
+    assert after_pause.timings.device_idle_ms >= 50
+    assert 0 <= queued.timings.device_idle_ms < after_pause.timings.device_idle_ms
 
 
 @pytest.mark.parametrize("name", ["untied", "moe"])
