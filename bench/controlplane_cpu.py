@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from splitserve.client import AsyncClient, Client  # noqa: E402
-from served import figures, serve  # noqa: E402
+from served import figures, sampled, serve, spy_summary  # noqa: E402
 
 
 def main() -> None:
@@ -31,6 +31,9 @@ def main() -> None:
     parser.add_argument("--stream-interval", type=int, default=1)
     parser.add_argument("--frontends", type=int, default=1, help="serve's --frontends")
     parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--spy", type=pathlib.Path, metavar="RAW",
+                        help="sample the server's processes with py-spy (on PATH) during the run "
+                             "into RAW; the JSON gets their busiest functions")
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randint(1, 500) for _ in range(rng.randint(8, 32))]
@@ -44,17 +47,19 @@ def main() -> None:
                                           for p in prompts))
     with serve(["--max-num-seqs", str(args.num_requests), "--max-waiting-requests", "4096",
                 "--stream-interval", str(args.stream_interval),
-                "--frontends", str(args.frontends)], log, timeout=120) as address:
-        with Client(address) as client:
+                "--frontends", str(args.frontends)], log, timeout=120) as served:
+        with Client(served.address) as client:
             before = client.load()
             start = time.perf_counter()
-            done = asyncio.run(send_all(address))
+            with sampled(served.pid, args.spy):
+                done = asyncio.run(send_all(served.address))
             seconds = time.perf_counter() - start
             after = client.load()
     result = {
         "num_requests": args.num_requests, "max_tokens": args.max_tokens,
         "stream_interval": args.stream_interval, "frontends": args.frontends,
-        "seconds": seconds, **figures(before, after, done)}
+        "seconds": seconds, **figures(before, after, done),
+        **({"py_spy": spy_summary(args.spy)} if args.spy else {})}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

@@ -29,6 +29,8 @@
 #                  bench-0.6b-nopdl: both modes without programmatic dependent launch;
 #                  bench-0.6b-fa4: in-process with the flash_attn backend (carry .fa4)
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
+#                  bench-0.6b-spy: split with py-spy sampling the server's processes (carry
+#                  py-spy's wheel in .whl)
 #                  bench-0.6b-tp2: split at TP=2 (the two-GPU machine)
 #   serving-0.6b   bench/serving.py: Poisson arrivals, TTFT/TPOT/ITL, with and without a front-end
 #   serving-0.6b-pg  the same (one front-end) with and without piecewise graphs for prompt steps
@@ -42,7 +44,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
 if [ -f .fa4/fa4site.tar.xz ] && [ ! -d /tmp/fa4site ]; then
   mkdir -p /tmp/fa4site && tar -xJf .fa4/fa4site.tar.xz -C /tmp/fa4site
 fi
@@ -135,6 +137,8 @@ for stage in "$@"; do
     bench-8b) timeout 240 python3 bench/throughput.py --model qwen3-8b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-30b) timeout 300 python3 bench/throughput.py --model qwen3-30b-a3b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-si4) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --stream-interval 4 --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-0.6b-spy) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split \
+             --spy /tmp/split.raw --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fe0) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --frontends 0 --out-dir "$OUT" 2>&1 | tail -20 ;;
     serving-0.6b) for fe in 1 0; do serving_06b fe$fe --frontends $fe; done ;;
     serving-0.6b-pg) for pg in ${PG:-on off}; do extra=(); [ $pg = off ] && extra=(--serve-arg=--no-prompt-graphs)

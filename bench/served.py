@@ -1,10 +1,15 @@
 """What the benchmarks that run `splitserve serve` share: starting it, and a run's figures."""
 
+import collections
 import contextlib
+import itertools
 import pathlib
+import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from common.transport import free_tcp_port
 from splitserve.client import Client
@@ -12,11 +17,17 @@ from splitserve.client import Client
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@dataclass(frozen=True)
+class Served:
+    address: str
+    pid: int  # `splitserve serve`'s: its children are the engine, front-ends and data plane
+
+
 @contextlib.contextmanager
 def serve(serve_args: Sequence[str], log_path: pathlib.Path,
-          timeout: float = 600) -> Iterator[str]:
+          timeout: float = 600) -> Iterator[Served]:
     """`splitserve serve` with these arguments on a free port, its output in log_path; yields
-    its address once health says SERVING, and stops it (SIGTERM) on the way out."""
+    it once health says SERVING, and stops it (SIGTERM) on the way out."""
     port = free_tcp_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--port", str(port),
@@ -26,10 +37,61 @@ def serve(serve_args: Sequence[str], log_path: pathlib.Path,
         with Client(address) as client:
             if not client.wait_until_serving(timeout):
                 raise RuntimeError(f"server not serving after {timeout:.0f} s; see {log_path}")
-        yield address
+        yield Served(address, server.pid)
     finally:
         server.terminate()
         server.wait(60)
+
+
+@contextlib.contextmanager
+def sampled(pid: int, raw_path: pathlib.Path | None) -> Iterator[None]:
+    """While the block runs, py-spy (on PATH) samples process `pid` and its children at 500 Hz
+    without pausing them, into raw_path (py-spy's raw format: a stack and its count a line);
+    does nothing when raw_path is None. `spy_summary` reads the file."""
+    if raw_path is None:
+        yield
+        return
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--subprocesses",
+                            "--nonblocking", "--rate", "500", "--format", "raw",
+                            "--output", str(raw_path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        _, errors = spy.communicate(timeout=60)
+        if spy.returncode not in (0, -signal.SIGINT):
+            raise RuntimeError(f"py-spy failed: {errors[-2000:]}")
+
+
+def spy_summary(raw_path: pathlib.Path, top: int = 25) -> dict:
+    """Per sampled process (py-spy names it in each stack's first frame): its samples, and the
+    functions most often on its stacks (inclusive) and at their tops (self), as shares of its
+    samples. Threads blocked in a call count as samples too: read the waits as waits."""
+    stacks: dict[str, collections.Counter] = {}
+    for line in raw_path.read_text().splitlines():
+        stack, count = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        # (a child's stacks start with its parents' frames: `process PID:"COMMAND"`)
+        processes = list(itertools.takewhile(lambda f: f.startswith("process "), frames))
+        frames = frames[len(processes):]
+        command = re.search(r"splitserve (\w+)", processes[-1])
+        process = command.group(1) if command else processes[-1][:80]
+        counters = stacks.setdefault(process, collections.Counter())
+        counters["", "total"] += int(count)
+        for frame in set(frames):
+            counters[frame, "inclusive"] += int(count)
+        if frames:
+            counters[frames[-1], "self"] += int(count)
+    summary = {}
+    for process, counters in sorted(stacks.items(), key=lambda kv: -kv[1]["", "total"]):
+        total = counters["", "total"]
+        share = lambda kind: {f: round(n / total, 4) for (f, k), n in  # noqa: E731
+                              counters.most_common() if k == kind}
+        summary[process] = {"samples": total,
+                            "inclusive": dict(list(share("inclusive").items())[:top]),
+                            "self": dict(list(share("self").items())[:top])}
+    return summary
 
 
 def figures(before, after, done) -> dict:

@@ -212,8 +212,8 @@ def main() -> None:
         measured = benchmark(args.address, args)
     else:
         workdir = pathlib.Path(tempfile.mkdtemp())
-        with serve(serve_args(args, workdir), workdir / "serve.log") as address:
-            measured = benchmark(address, args)
+        with serve(serve_args(args, workdir), workdir / "serve.log") as served:
+            measured = benchmark(served.address, args)
     commit = run_info.commit()
     config = vars(args) | {"out": str(args.out), "request_rates": [
         r if r != float("inf") else "inf" for r in args.request_rates]}

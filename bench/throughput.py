@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from dataplane import checkpoints  # noqa: E402
 from dataplane.models import model_class  # noqa: E402
 import run_info  # noqa: E402
-from served import figures, serve  # noqa: E402
+from served import figures, sampled, serve, spy_summary  # noqa: E402
 
 
 def shapes(name: str):
@@ -284,7 +284,8 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
         *(["--enforce-eager"] if args.enforce_eager else []),
         *(["--no-prompt-graphs"] if args.no_prompt_graphs else []),
         *(["--no-pdl"] if args.no_pdl else [])]
-    with serve(serve_args, args.out_dir / f"serve-{args.model}.log") as address:
+    with serve(serve_args, args.out_dir / f"serve-{args.model}.log") as served:
+        address = served.address
         warm_prompts, warm_sampling = warm_up(prompts)
 
         async def warm():
@@ -301,13 +302,15 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
                     client.generate(p, max_tokens=o, temperature=0.6, ignore_eos=True)
                     for p, o in zip(prompts, outputs)))
         start = time.perf_counter()
-        done = asyncio.run(send_all())
+        with sampled(served.pid, args.spy):
+            done = asyncio.run(send_all())
         seconds = time.perf_counter() - start
         with Client(address) as client:
             after = client.load()
             info = client.model_info()
     return {"seconds": seconds, **figures(before, after, done), "tp": info.tp_size,
-            "num_kv_blocks": after.kv_blocks_total}
+            "num_kv_blocks": after.kv_blocks_total,
+            **({"py_spy": spy_summary(args.spy)} if args.spy else {})}
 
 
 def main() -> None:
@@ -333,6 +336,10 @@ def main() -> None:
                         help="split mode only: serve's --stream-interval (tokens per message)")
     parser.add_argument("--frontends", type=int, default=1,
                         help="split mode only: serve's --frontends (gRPC front-end processes)")
+    parser.add_argument("--spy", type=pathlib.Path, metavar="RAW",
+                        help="split mode only: sample the server's processes with py-spy (on "
+                             "PATH, not pausing them) during the timed run into RAW; the JSON "
+                             "gets their busiest functions (the run is slower for it)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -354,7 +361,8 @@ def main() -> None:
             "roofline_tok_per_s": ideal["roofline_tok_per_s"],
             "fraction_of_roofline": tok_per_s / ideal["roofline_tok_per_s"],
             "copy_bandwidth_GBps": bandwidth / 1e9, "roofline": ideal,
-            "config": {k: v for k, v in vars(args).items() if k != "out_dir"}}
+            "config": {k: str(v) if isinstance(v, pathlib.Path) else v
+                       for k, v in vars(args).items() if k != "out_dir"}}
         print(f"{args.model} {mode}: {measured['output_tokens']} tokens in {measured['seconds']:.2f}s"
               f" = {tok_per_s:.0f} tok/s, {tok_per_s / ideal['roofline_tok_per_s']:.1%} of the "
               f"roofline ({ideal['roofline_tok_per_s']:.0f} tok/s at {bandwidth / 1e9:.0f} GB/s), "
@@ -370,6 +378,7 @@ def main() -> None:
 def _save(args, mode: str, result: dict) -> None:
     suffix = f"-si{args.stream_interval}" if mode == "split" and args.stream_interval != 1 else ""
     suffix += f"-fe{args.frontends}" if mode == "split" and args.frontends != 1 else ""
+    suffix += "-spy" if mode == "split" and args.spy else ""
     suffix += "-nopdl" if args.no_pdl else ""
     suffix += f"-{args.attention_backend}" if args.attention_backend != "auto" else ""
     name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
