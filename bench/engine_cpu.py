@@ -130,9 +130,13 @@ async def run_once(num_requests: int, stream_interval: int, simulated: bool,
     while not engine.accepting:
         await asyncio.sleep(0)
     requests = workload(num_requests)
+    calls = [frontend_pb2.ToEngine(call=frontend_pb2.Call(
+        call_id=i, method="Generate", request=generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=prompt), sampling=params).SerializeToString()
+    )).SerializeToString() for i, (prompt, params) in enumerate(requests)]
     start, steps = time.perf_counter(), engine.num_steps
     if through_frontend:
-        await through_frontend_link(engine, requests)
+        await through_frontend_link(engine, calls)
     else:
         await added(engine, requests)
     seconds, steps = time.perf_counter() - start, engine.num_steps - steps
@@ -158,21 +162,17 @@ async def added(engine: Engine, requests) -> None:
     await asyncio.gather(*(drain(s) for s in streams))
 
 
-async def through_frontend_link(engine: Engine, requests) -> None:
-    """The requests as one burst of Generate calls from a front-end, through a FrontendLink,
-    until every call's last reply came back."""
+async def through_frontend_link(engine: Engine, calls: list[bytes]) -> None:
+    """The requests as one burst of Generate calls (serialized ToEngine messages) from a
+    front-end, through a FrontendLink, until every call's last reply came back."""
     model = ModelInfo("bench", "none", "Qwen3ForCausalLM", 320, 4096, (), "bfloat16")
     link = FrontendLink(private_ipc_address("frontend"),
                         GenerationServicer(engine, model, 4096, 4096, 20), serving=lambda: True)
     await link.start()
     frontend = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     frontend.connect(link.address)
-    calls = [frontend_pb2.ToEngine(call=frontend_pb2.Call(
-        call_id=i, method="Generate", request=generation_pb2.GenerateRequest(
-            token_ids=generation_pb2.TokenIds(ids=prompt), sampling=params).SerializeToString()))
-        for i, (prompt, params) in enumerate(requests)]
     for call in calls:
-        await frontend.send(call.SerializeToString())
+        await frontend.send(call)
     num_open = len(calls)
     while num_open:
         message = frontend_pb2.ToFrontend.FromString(await frontend.recv())
