@@ -38,14 +38,19 @@ class Completion:
             self.cached_tokens = chunk.usage.cached_tokens
 
 
-def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling
-                  ) -> generation_pb2.GenerateRequest:
-    """`sampling` takes the SamplingParams field names (max_tokens=..., stop=[...]); None is unset."""
+def build_sampling(**sampling) -> generation_pb2.SamplingParams:
+    """Takes the SamplingParams field names (max_tokens=..., stop=[...]); None is unset."""
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
-    params = generation_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
-    request = generation_pb2.GenerateRequest(request_id=request_id, sampling=params)
+    return generation_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+
+
+def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling
+                  ) -> generation_pb2.GenerateRequest:
+    """`sampling` as build_sampling takes it."""
+    request = generation_pb2.GenerateRequest(request_id=request_id,
+                                             sampling=build_sampling(**sampling))
     if isinstance(prompt, str):
         request.text = prompt
     else:
