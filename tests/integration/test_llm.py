@@ -3,6 +3,7 @@
 import pytest
 
 from common.wire import pack_i32
+from controlplane.validation import ValidationError
 from splitserve.llm import LLM
 from tests.reference import hf_greedy
 
@@ -16,6 +17,10 @@ def test_in_process_greedy_equals_transformers(checkpoints):
         prompts = [[5, 17, 99, 3], [11], list(range(60, 80))]
         completions = llm.generate(prompts, max_tokens=10, temperature=0, ignore_eos=True)
         again = llm.generate(["The quick brown fox"], max_tokens=5, temperature=0, ignore_eos=True)
+        with pytest.raises(ValidationError, match=r"^prompt\[1\]: token id -3 is outside"):
+            llm.generate([[5, -3]], max_tokens=2)
+        with pytest.raises(TypeError, match="unknown sampling parameters: \\['max_token'\\]"):
+            llm.generate([[5]], max_token=2)
     finally:
         llm.close()
     assert [c.token_ids for c in completions] == [hf_greedy(model, p, 10) for p in prompts]
