@@ -85,6 +85,25 @@ def test_streams_complete_with_the_data_planes_tokens():
         assert chunks[-1].finish_reason is FinishReason.LENGTH
 
 
+def test_the_device_idle_counts_only_before_steps_sent_behind_another():
+    """Each step says its device waited 2 ms. The first step of a request that arrives at an
+    idle engine goes out alone (the device waited for work, not for the host): not counted;
+    every later one goes out while another is in flight."""
+    class Idling(FakeDataPlane):
+        async def execute(self, step, epoch, timeout_s):
+            result = await super().execute(step, epoch, timeout_s)
+            result.timings.device_idle_ms = 2.0
+            return result
+
+    async def body(engine, dp):
+        await collect(engine.add_request(make_request("a", PROMPTS["a"], max_tokens=6)))
+        return engine.num_steps, engine.step_times
+
+    num_steps, times = run(body, fake=Idling())
+    assert times.num_prompt_steps == 1 and times.prompt_device_idle_s == 0
+    assert times.decode_device_idle_s == pytest.approx(0.002 * (num_steps - 1))
+
+
 def test_a_reader_that_falls_behind_gets_what_piled_up_in_one_chunk():
     async def body(engine, dp):
         stream = engine.add_request(make_request("a", PROMPTS["a"], max_tokens=12))
