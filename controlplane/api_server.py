@@ -67,10 +67,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if not request.text:
                 raise ValidationError("input.text", "the prompt is empty (0 characters)")
             ids = await self.engine.tokenizer.encode_off_loop(request.text)
-            validate_prompt(ids, "input.text", limits, unsigned=True)
+            validate_prompt(ids, "input.text", limits, is_unsigned=True)
         else:
             ids = request.token_ids.ids[:]  # (a list; a third faster than list() of it)
-            validate_prompt(ids, "input.token_ids.ids", limits, unsigned=True)
+            validate_prompt(ids, "input.token_ids.ids", limits, is_unsigned=True)
         return ids
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):

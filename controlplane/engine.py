@@ -39,8 +39,10 @@ class StepTimes:
     """The data plane's own timings of its steps (StepResult.timings), summed by kind: prompt
     steps have a request with more than one new token (they run without CUDA graphs), decode
     steps do not. GetLoad reports them. The device's idle time counts only before steps sent
-    while another was in flight: before the others the device waited for work, not for the
-    host."""
+    while another was in flight, the steps the pipeline should have kept the device busy for.
+    A step sent with none in flight mostly follows a wait for work (an idle server, a new
+    request); the rare pipeline break with live requests (one waiting for a token still in
+    flight) is left out with them."""
 
     num_prompt_steps: int = 0
     prompt_host_s: float = 0.0
@@ -51,8 +53,8 @@ class StepTimes:
     decode_device_idle_s: float = 0.0
 
     def observe(self, is_prompt_step: bool, timings: link_pb2.Timings,
-                sent_behind_another: bool) -> None:
-        idle_s = timings.device_idle_ms / 1e3 if sent_behind_another else 0.0
+                is_behind_another: bool) -> None:
+        idle_s = timings.device_idle_ms / 1e3 if is_behind_another else 0.0
         if is_prompt_step:
             self.num_prompt_steps += 1
             self.prompt_host_s += timings.forward_ms / 1e3
@@ -105,7 +107,7 @@ class _InFlight:
     num_tokens: int
     reply: asyncio.Task
     started: float
-    sent_behind_another: bool  # another step was in flight when this one was sent
+    is_behind_another: bool  # another step was in flight when this one was sent
 
 
 class Engine:
@@ -329,7 +331,7 @@ class Engine:
             self.num_steps += 1
             self.deadline.observe(step.num_tokens, time.monotonic() - step.started)
             self.step_times.observe(step.num_tokens > len(step.out.scheduled), result.timings,
-                                    step.sent_behind_another)
+                                    step.is_behind_another)
             self._process(step.out, tokens, logprobs)
 
     def _launch(self, epoch: int) -> bool:

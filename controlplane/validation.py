@@ -39,15 +39,15 @@ def _require(ok: bool, field: str, message: str) -> None:
 
 
 def validate_prompt(token_ids: list[int], field: str, limits: Limits,
-                    unsigned: bool = False) -> None:
-    """`unsigned`: the ids are known to be integers >= 0 (a proto's uint32 field, a tokenizer's
+                    is_unsigned: bool = False) -> None:
+    """`is_unsigned`: the ids are known to be integers >= 0 (a proto's uint32 field, a tokenizer's
     output), so only their maximum is checked."""
     _require(len(token_ids) > 0, field, "the prompt is empty (0 tokens); give at least one")
     # min and max run in C; a per-id Python loop took 62 ms for workload A's 256 prompts
     # (144k ids) on this machine, all of it before the first step, and the checks below still
     # take ~30 us a prompt. The array takes integers only (LLM.generate's ids are Python
     # values: a float or NaN would pass min and max).
-    if unsigned:
+    if is_unsigned:
         outside = max(token_ids) >= limits.vocab_size
     else:
         try:

@@ -332,7 +332,8 @@ class ModelRunner:
     @torch.inference_mode()
     def submit(self, step: link_pb2.Step) -> PendingStep:
         """Launch the step on every rank: forward, sampling on rank 0, sampled tokens to every
-        rank's token table and (rank 0) on their way to the host."""
+        rank's token table and (rank 0) on their way to the host. Rank 0 on CUDA brackets the
+        step with timing events (PendingStep.device_idle_ms)."""
         started = time.perf_counter()
         timed = self.device.type == "cuda" and tp_rank() == 0
         device_start = _timing_event() if timed else None

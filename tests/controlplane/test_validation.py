@@ -17,18 +17,18 @@ def test_logprobs_are_capped_by_the_vocabulary_too():
         sampling_params(generation_pb2.SamplingParams(logprobs=11), 4, limits)
 
 
-@pytest.mark.parametrize("ids,field,token,unsigned", [([1, 10, 3, 12], "prompt[1]", 10, False),
-                                                      ([1, 10, 3, 12], "prompt[1]", 10, True),
-                                                      ([1, -1, 30], "prompt[1]", -1, False)])
+@pytest.mark.parametrize("ids,field,token,is_unsigned", [([1, 10, 3, 12], "prompt[1]", 10, False),
+                                                         ([1, 10, 3, 12], "prompt[1]", 10, True),
+                                                         ([1, -1, 30], "prompt[1]", -1, False)])
 def test_a_prompt_token_outside_the_vocabulary_is_named_by_its_first_index(ids, field, token,
-                                                                            unsigned):
+                                                                            is_unsigned):
     """The gRPC API's ids are unsigned (only their maximum is checked); LLM.generate's are
     Python ints and can be negative."""
     limits = Limits(max_model_len=64, vocab_size=10, max_total_tokens=64, max_logprobs=20)
-    validate_prompt([0, 9, 5], "prompt", limits, unsigned)
+    validate_prompt([0, 9, 5], "prompt", limits, is_unsigned)
     with pytest.raises(ValidationError, match=rf"{re.escape(field)}: token id {token} is outside "
                                               r"the vocabulary \[0, 10\)"):
-        validate_prompt(ids, "prompt", limits, unsigned)
+        validate_prompt(ids, "prompt", limits, is_unsigned)
 
 
 @pytest.mark.parametrize("ids", [[1, float("nan")], [float("nan"), -1], [1, 3.5], [1, 2 ** 64]])
