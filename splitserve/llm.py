@@ -108,8 +108,10 @@ class LLM:
         while not self.engine.accepting:
             self._raise_if_stopped()
             await asyncio.sleep(0)
-        streams = [self.engine.add_request(self._request(p, sampling))
-                   for p, sampling in zip(prompts, samplings, strict=True)]
+        # every prompt validated before any is added: one bad prompt leaves none running
+        requests = [self._request(p, sampling) for p, sampling in zip(prompts, samplings,
+                                                                         strict=True)]
+        streams = [self.engine.add_request(request) for request in requests]
         completions = asyncio.gather(*(self._collect(s) for s in streams))
         # an engine loop that stops leaves its streams open: what stopped it is the answer
         await asyncio.wait({completions, self._task}, return_when=asyncio.FIRST_COMPLETED)

@@ -18,7 +18,8 @@ def test_in_process_greedy_equals_transformers(checkpoints):
         completions = llm.generate(prompts, max_tokens=10, temperature=0, ignore_eos=True)
         again = llm.generate(["The quick brown fox"], max_tokens=5, temperature=0, ignore_eos=True)
         with pytest.raises(ValidationError, match=r"^prompt\[1\]: token id -3 is outside"):
-            llm.generate([[5, -3]], max_tokens=2)
+            llm.generate([[5], [5, -3]], max_tokens=2)
+        assert not llm.engine.streams  # the valid first prompt was not started either
         with pytest.raises(TypeError, match="unknown sampling parameters: \\['max_token'\\]"):
             llm.generate([[5]], max_token=2)
     finally:
