@@ -50,10 +50,10 @@ def main() -> None:
                 "--frontends", str(args.frontends)], log, timeout=120) as served:
         with Client(served.address) as client:
             before = client.load()
-            start = time.perf_counter()
             with sampled(served.pid, args.spy):
+                start = time.perf_counter()
                 done = asyncio.run(send_all(served.address))
-            seconds = time.perf_counter() - start
+                seconds = time.perf_counter() - start
             after = client.load()
     result = {
         "num_requests": args.num_requests, "max_tokens": args.max_tokens,

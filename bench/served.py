@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -46,37 +47,41 @@ def serve(serve_args: Sequence[str], log_path: pathlib.Path,
 @contextlib.contextmanager
 def sampled(pid: int, raw_path: pathlib.Path | None) -> Iterator[None]:
     """While the block runs, py-spy (on PATH) samples process `pid` and its children at 500 Hz
-    without pausing them, into raw_path (py-spy's raw format: a stack and its count a line);
-    does nothing when raw_path is None. `spy_summary` reads the file."""
+    without pausing them, into raw_path (py-spy's raw format: a stack and its count a line;
+    its own output beside it, .log); does nothing when raw_path is None. `spy_summary` reads
+    the file. Time the work inside the block: py-spy's start and its writing are outside."""
     if raw_path is None:
         yield
         return
-    spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--subprocesses",
-                            "--nonblocking", "--rate", "500", "--format", "raw",
-                            "--output", str(raw_path)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(raw_path.with_suffix(".log"), "w") as log:
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--subprocesses",
+                                "--nonblocking", "--rate", "500", "--format", "raw",
+                                "--output", str(raw_path)], stdout=log, stderr=log)
+    time.sleep(1.0)  # py-spy attaches to the process tree after it starts
     try:
         yield
     finally:
         spy.send_signal(signal.SIGINT)
-        _, errors = spy.communicate(timeout=60)
-        if spy.returncode not in (0, -signal.SIGINT):
-            raise RuntimeError(f"py-spy failed: {errors[-2000:]}")
+        if spy.wait(60) not in (0, -signal.SIGINT):
+            print(f"py-spy failed (exit {spy.returncode}); see {raw_path.with_suffix('.log')}",
+                  file=sys.stderr)
 
 
 def spy_summary(raw_path: pathlib.Path, top: int = 25) -> dict:
-    """Per sampled process (py-spy names it in each stack's first frame): its samples, and the
-    functions most often on its stacks (inclusive) and at their tops (self), as shares of its
-    samples. Threads blocked in a call count as samples too: read the waits as waits."""
+    """Per sampled process (py-spy names it in each stack's leading frames): its samples, and
+    the functions most often on its stacks (inclusive) and at their tops (self), as shares of
+    its samples. py-spy leaves out samples of threads it judges idle (waiting in select or on a
+    lock); waits that spin (a CUDA event's synchronize) still count."""
     stacks: dict[str, collections.Counter] = {}
     for line in raw_path.read_text().splitlines():
         stack, count = line.rsplit(" ", 1)
-        frames = stack.split(";")
+        # a frame is `function (file:line)`: one key per function, not per line
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
         # (a child's stacks start with its parents' frames: `process PID:"COMMAND"`)
         processes = list(itertools.takewhile(lambda f: f.startswith("process "), frames))
         frames = frames[len(processes):]
-        command = re.search(r"splitserve (\w+)", processes[-1])
-        process = command.group(1) if command else processes[-1][:80]
+        command = re.search(r"splitserve (\w+)", processes[-1]) if processes else None
+        process = command.group(1) if command else (processes or ["?"])[-1][:80]
         counters = stacks.setdefault(process, collections.Counter())
         counters["", "total"] += int(count)
         for frame in set(frames):
@@ -115,8 +120,8 @@ def figures(before, after, done) -> dict:
 def step_times(before, after) -> dict:
     """From GetLoad before and after: how many steps had prompt tokens, the data plane's own
     mean host and total milliseconds of a prompt step and of a decode step, and the seconds
-    the device sat idle waiting for the host before each kind (in-process runs report the
-    same as device_time's device_idle_s)."""
+    the device sat idle before each kind, over steps sent while another was in flight (the
+    in-process run's device_time.device_idle_s sums every gap between its steps)."""
     steps = after.num_steps - before.num_steps
     prompt_steps = after.num_prompt_steps - before.num_prompt_steps
     spent = lambda field: getattr(after, field) - getattr(before, field)  # noqa: E731

@@ -301,10 +301,10 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
                 return await asyncio.gather(*(
                     client.generate(p, max_tokens=o, temperature=0.6, ignore_eos=True)
                     for p, o in zip(prompts, outputs)))
-        start = time.perf_counter()
         with sampled(served.pid, args.spy):
+            start = time.perf_counter()
             done = asyncio.run(send_all())
-        seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - start
         with Client(address) as client:
             after = client.load()
             info = client.model_info()
@@ -339,7 +339,7 @@ def main() -> None:
     parser.add_argument("--spy", type=pathlib.Path, metavar="RAW",
                         help="split mode only: sample the server's processes with py-spy (on "
                              "PATH, not pausing them) during the timed run into RAW; the JSON "
-                             "gets their busiest functions (the run is slower for it)")
+                             "gets their busiest functions (sampling may slow the run)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
