@@ -129,6 +129,7 @@ class Layers:
             return silu_and_mul(decode_matmul(x, w))
         return silu_and_mul(F.linear(x, w))
 
+
 def row_parallel(x: torch.Tensor, w: torch.Tensor, splitk: bool) -> torch.Tensor:
     """What RowParallelLinear(feeds_norm=True) runs on one GPU (splitk: split-K whatever the
     batch size)."""

@@ -20,6 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class Served:
+    """A running `splitserve serve`: where clients connect, and its process."""
+
     address: str
     pid: int  # `splitserve serve`'s: its children are the engine, front-ends and data plane
 

@@ -152,10 +152,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                    link_bytes_received=getattr(self.engine.dataplane,
                                                                "bytes_received", 0),
                                    control_plane_cpu_seconds=time.process_time(),
-                                   num_prompt_steps=times.num_prompt_steps,
-                                   prompt_step_host_seconds=times.prompt_host_s,
-                                   prompt_step_total_seconds=times.prompt_total_s,
-                                   decode_step_host_seconds=times.decode_host_s,
-                                   decode_step_total_seconds=times.decode_total_s,
-                                   prompt_step_device_idle_seconds=times.prompt_device_idle_s,
-                                   decode_step_device_idle_seconds=times.decode_device_idle_s)
+                                   num_prompt_steps=times.prompt.num_steps,
+                                   prompt_step_host_seconds=times.prompt.host_s,
+                                   prompt_step_total_seconds=times.prompt.total_s,
+                                   prompt_step_device_idle_seconds=times.prompt.device_idle_s,
+                                   decode_step_host_seconds=times.decode.host_s,
+                                   decode_step_total_seconds=times.decode.total_s,
+                                   decode_step_device_idle_seconds=times.decode.device_idle_s)

@@ -35,35 +35,35 @@ _RELEASE_BATCH = 16  # streams woken per turn of the loop while a step runs
 
 
 @dataclass
-class StepTimes:
-    """The data plane's own timings of its steps (StepResult.timings), summed by kind: prompt
-    steps have a request with more than one new token (they run without CUDA graphs), decode
-    steps do not. GetLoad reports them. The device's idle time counts only before steps sent
-    while another was in flight, the steps the pipeline should have kept the device busy for.
-    A step sent with none in flight mostly follows a wait for work (an idle server, a new
-    request); the rare pipeline break with live requests (one waiting for a token still in
-    flight) is left out with them."""
+class KindTimes:
+    """One kind of step's data-plane timings (StepResult.timings), summed."""
 
-    num_prompt_steps: int = 0
-    prompt_host_s: float = 0.0
-    prompt_total_s: float = 0.0
-    prompt_device_idle_s: float = 0.0
-    decode_host_s: float = 0.0
-    decode_total_s: float = 0.0
-    decode_device_idle_s: float = 0.0
+    num_steps: int = 0
+    host_s: float = 0.0
+    total_s: float = 0.0
+    device_idle_s: float = 0.0
+
+
+@dataclass
+class StepTimes:
+    """The data plane's own timings of its steps, by kind: prompt steps have a request with more
+    than one new token (they run without CUDA graphs), decode steps do not. GetLoad reports
+    them. The device's idle time counts only before steps sent while another was in flight,
+    the steps the pipeline should have kept the device busy for. A step sent with none in
+    flight mostly follows a wait for work (an idle server, a new request); the rare pipeline
+    break with live requests (one waiting for a token still in flight) is left out with them."""
+
+    prompt: KindTimes = field(default_factory=KindTimes)
+    decode: KindTimes = field(default_factory=KindTimes)
 
     def observe(self, is_prompt_step: bool, timings: link_pb2.Timings,
                 is_behind_another: bool) -> None:
-        idle_s = timings.device_idle_ms / 1e3 if is_behind_another else 0.0
-        if is_prompt_step:
-            self.num_prompt_steps += 1
-            self.prompt_host_s += timings.forward_ms / 1e3
-            self.prompt_total_s += timings.total_ms / 1e3
-            self.prompt_device_idle_s += idle_s
-        else:
-            self.decode_host_s += timings.forward_ms / 1e3
-            self.decode_total_s += timings.total_ms / 1e3
-            self.decode_device_idle_s += idle_s
+        kind = self.prompt if is_prompt_step else self.decode
+        kind.num_steps += 1
+        kind.host_s += timings.forward_ms / 1e3
+        kind.total_s += timings.total_ms / 1e3
+        if is_behind_another:
+            kind.device_idle_s += timings.device_idle_ms / 1e3
 
 
 class Attachment(enum.Enum):

@@ -100,8 +100,8 @@ def test_the_device_idle_counts_only_before_steps_sent_behind_another():
         return engine.num_steps, engine.step_times
 
     num_steps, times = run(body, fake=Idling())
-    assert times.num_prompt_steps == 1 and times.prompt_device_idle_s == 0
-    assert times.decode_device_idle_s == pytest.approx(0.002 * (num_steps - 1))
+    assert times.prompt.num_steps == 1 and times.prompt.device_idle_s == 0
+    assert times.decode.device_idle_s == pytest.approx(0.002 * (num_steps - 1))
 
 
 def test_a_reader_that_falls_behind_gets_what_piled_up_in_one_chunk():
