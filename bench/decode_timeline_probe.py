@@ -1,7 +1,6 @@
 """Where does decode attention's fixed ~19 us over its bytes go (tile_fill-9406881.json)? Each
 program of one launch stamps the global timer and its SM's cycle counter at its start, once its
-first request is known, after its last tile loop and at its end (`paged_decode_attention(trace=)`;
-a program's "loop" spans its range and the chunks it claimed after it, with their merges);
+first request is known, after its tile loop and at its end (`paged_decode_attention(trace=)`);
 a one-program kernel stamps the timer just before and just after the launch in the same CUDA
 graph. Per batch of tune_decode.py's shapes: the launch's span against its bytes at the copy
 bandwidth, cut into launch latency, the spread of program starts, prologue, tile loop, merges,
@@ -30,7 +29,7 @@ from kernels import capture_graph, copy_bandwidth, graph_us, kv_bytes
 from tune_decode import SHAPES, problem
 
 from dataplane.kernels.paged_decode_attention import (
-    TRACE_COLUMNS, claimed_split, paged_decode_attention, plan_decode)
+    TRACE_COLUMNS, paged_decode_attention, plan_decode)
 
 REPLAYS = 20
 RESHUFFLE_ROWS = (256, 128)
@@ -44,11 +43,11 @@ def _timer_kernel(out_ptr):
 
 
 def range_bounds(plan, num_programs: int) -> list[int]:
-    """The first tile of each program's range of one kv head, then the ranges' end (every head's
-    ranges are the same: the kernel's equal cut of the list's tiles before the claimed ones)."""
-    num_static, _ = claimed_split(int(plan.req_tile_start[-1]), num_programs, plan.max_segments)
-    active = min(num_programs, num_static)
-    return [p * num_static // active for p in range(active + 1)]
+    """The first tile of each program's range of one kv head, then the list's end (every head's
+    ranges are the same: the kernel's equal cut of the tile list)."""
+    total = int(plan.req_tile_start[-1])
+    active = min(num_programs, total)
+    return [p * total // active for p in range(active + 1)]
 
 
 def range_sums(bounds: list[int], per_tile: torch.Tensor) -> list[int]:

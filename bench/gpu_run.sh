@@ -12,8 +12,7 @@
 #   decode-tests   the decode attention kernel's tests (merges repeated 200 times on one plan)
 #   decode-timeline  decode attention's programs stamping the global timer: launch, prologue,
 #                  tile loop, merges, the spread of their ends, on tune-decode's shapes
-#   tune-decode    decode attention configs and programs per SM on workload-like shapes;
-#                  decode-tails: its claimed-chunk settings (TAIL, CHUNK) in CUDA graphs
+#   tune-decode    decode attention configs and programs per SM on workload-like shapes
 #   tune-prefill   prefill attention configs on workload A's 16k-token prompt steps
 #   ncu-decode     Nsight Compute on one decode attention launch at 64 and 256 rows (stall
 #                  reasons, occupancy; Firecracker machines only: ../.library/device/KINDS.md)
@@ -98,8 +97,6 @@ for stage in "$@"; do
              | grep -v Warning | tail -4 ;;
     tune-decode) timeout 300 python3 bench/tune_decode.py --out "$OUT/decode_tuning.json" 2>&1 \
              | tee "$OUT/tune-decode.log" | tail -20 ;;
-    decode-tails) timeout 300 python3 bench/tune_decode.py --tails "$OUT/decode_tails.json" 2>&1 \
-             | grep -v Warning | tail -12 ;;
     host-profile) timeout 180 python3 bench/host_profile.py 2>&1 | tee "$OUT/host-profile.log" \
              | head -60 ;;
     host-profile-16k) timeout 180 python3 bench/host_profile.py --max-num-batched-tokens 16384 \

@@ -6,7 +6,6 @@ a forward, shared by every layer). (The run in bench/results/h200/decode_tuning.
 a9cdbf6, tuned the earlier split-KV kernel: tiles, grid orders and split counts.)
 
     PYTHONPATH=. python3 bench/tune_decode.py --out decode_tuning.json
-    PYTHONPATH=. python3 bench/tune_decode.py --tails decode_tails.json   # claimed chunks only
 """
 
 import argparse
@@ -18,8 +17,8 @@ import torch
 import triton
 
 import run_info
-from kernels import BLOCK, HEAD_DIM, MODELS, NUM_KV_HEADS, bench_ms, copy_bandwidth, graph_us, \
-    kv_bytes, paged_problem
+from kernels import BLOCK, HEAD_DIM, MODELS, NUM_KV_HEADS, bench_ms, copy_bandwidth, kv_bytes, \
+    paged_problem
 
 from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
 
@@ -32,9 +31,6 @@ CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
            [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2),
             (128, 8, 3)]]
 PROGRAMS_PER_SM = [1, 2, 3, 4, 6, 8]
-# (TAIL, CHUNK): sixty-fourths of the tile list left to claims, tiles a claim (--tails)
-TAILS = [(0, 1), (2, 1), (4, 1), (8, 1), (4, 2), (8, 2), (16, 2), (16, 4)]
-TAIL_ROUNDS = 3
 
 
 def measure(args: tuple, programs_per_sm: int | None, config: dict, moved: int,
@@ -98,44 +94,14 @@ def tune_shape(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
                 default=default, best=best, plan_ms=plan_ms, tried=tried)
 
 
-def tails(out: str) -> None:
-    """Each (TAIL, CHUNK) of TAILS on each shape, ten launches of one plan in a CUDA graph (as
-    a step's layers share it), in TAIL_ROUNDS interleaved rounds: us a launch."""
-    report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(), tails=TAILS,
-                  shapes=[])
-    for model, rows, lo, hi in SHAPES:
-        args, contexts = problem(model, rows, lo, hi)
-        plan = plan_decode(*args[:2], *args[3:5])
-        out_t = paged_decode_attention(*args, plan=plan)
-        us = {f"{t}/{c}": [] for t, c in TAILS}
-        for _ in range(TAIL_ROUNDS):
-            for t, c in TAILS:
-                config = dict(TAIL=t, CHUNK=c)
-                us[f"{t}/{c}"].append(graph_us(lambda: [  # noqa: B023 - called at once
-                    paged_decode_attention(*args, plan=plan, out=out_t, config=config)
-                    for _ in range(10)]) / 10)
-        best = {k: min(v) for k, v in us.items()}
-        report["shapes"].append(dict(model=model, rows=rows, contexts=[lo, hi],
-                                     num_programs=plan.num_programs, us=us, best_us=best))
-        print(f"{model} {rows} rows: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()),
-              flush=True)
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
     parser.add_argument("--once", type=int, default=None, metavar="ROWS",
                         choices=[rows for model, rows, _, _ in SHAPES if model == "qwen3-0.6b"],
                         help="only launch the default config on that 0.6B shape, untimed (for ncu)")
-    parser.add_argument("--tails", metavar="OUT",
-                        help="only time TAILS (claimed chunks) on every shape, in CUDA graphs")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.tails:
-        tails(args.tails)
-        return
     if args.once is not None:
         run_once(args.once)
         return

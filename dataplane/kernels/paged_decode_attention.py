@@ -11,17 +11,10 @@ a program goes from one request to the next without a start-up chain (seq_len ->
 first tile). The GROUP query heads that share a kv head are the rows of one tile (padded to 16
 for tl.dot): each K/V tile is read from HBM once per kv head.
 
-Equal tiles are not equal time: which ranges stream slowly repeats within a run but follows no
-plan-time quantity (bench/README.md, sixteenth and seventeenth sessions), and the last program
-ended 4-9 us after the median one. So the ranges cut only the list's first (64 - TAIL)/64; the
-rest is left in chunks of CHUNK tiles that programs claim from a counter per kv head as they
-finish (each claim a loop of its own, without the pipeline across claims). A range or a chunk
-is a *segment*.
-
-A request wholly inside one segment is written directly. A request cut by a segment boundary
-leaves one normalized partial output and log-sum-exp per piece; the program that finishes its
-last piece (an atomic counter per (kv head, request)) merges them and resets the counter. A
-request with seq_len 0 (a padding row) is one empty tile and writes zeros.
+A request wholly inside one program's range is written directly. A request cut by a range
+boundary leaves one normalized partial output and log-sum-exp per piece; the program that
+finishes its last piece (an atomic counter per (kv head, request)) merges them and resets the
+counter. A request with seq_len 0 (a padding row) is one empty tile and writes zeros.
 
 The plan and the launch depend only on the batch size and the block-table width, never on the
 lengths: a CUDA graph captures them once (nothing is read back on the host).
@@ -30,6 +23,10 @@ On the H200 (bench/results/h200/decode_tuning-4c056b3.json) it moves workload A'
 batches at 88-91% of the copy bandwidth at 128-256 requests, 78% at 64 and 60% at 32, against
 85-89%, 71% and 55% for the split-KV kernel it replaced (decode_order-75f96e5.json). A plan of
 per-key cache slots (5883bf3) ran the same; the per-page block ids need 1/16 of its memory.
+Leaving the list's last 1-6% to chunks that programs claim from a counter as they finish
+(dynamic balancing of the 4-9 us between the median and the last program's end; 02603d6) lost
+at 8-128 rows and gained at most 1 us at 256 (decode_claims-02603d6.json): a claimed chunk
+restarts the pipeline and adds merges, which cost more than the spread they remove.
 """
 
 import functools
@@ -45,9 +42,6 @@ from dataplane.kernels.pdl import launch_options, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 MAX_PROGRAMS_PER_SM = 8  # bounds the partial-output scratch a plan allocates
-MIN_CHUNKS = 16  # claimed chunks a plan's scratch holds at least (more: as many as programs)
-TAIL = 4  # sixty-fourths of the tile list left to claims
-CHUNK = 1  # tiles a claim takes
 PLAN_CHUNK = 128  # ids the plan kernel moves per vector op
 TRACE_COLUMNS = 10  # a traced program's record: 4 x (timer, cycles), its SM's id, unused
 _TRACE_COLUMNS = tl.constexpr(TRACE_COLUMNS)
@@ -58,7 +52,7 @@ _FIRST, _LAST, _OFFSET = tl.constexpr(16), tl.constexpr(17), tl.constexpr(18)
 @triton.jit(do_not_specialize=["num_reqs", "num_kv_heads", "stride_bt_req"])
 def _plan_kernel(
     seq_lens_ptr, block_tables_ptr, num_reqs, num_kv_heads, stride_bt_req,
-    tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr, claims_ptr,
+    tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
@@ -75,8 +69,6 @@ def _plan_kernel(
         tl.store(req_tile_start_ptr + num_reqs, start + num_tiles)  # the list's length
     for head in range(0, num_kv_heads):
         tl.store(counters_ptr + head * num_reqs + req, 0)
-        if req == 0:
-            tl.store(claims_ptr + head, 0)
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
     num_pages = tl.cdiv(seq_len, PAGE_SIZE)
@@ -115,39 +107,39 @@ def _stamp(trace_ptr, record, point, after):
 
 
 @triton.jit
-def _piece(kv_head, seg, slot, max_segments, GROUP: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rows of the partial buffers for one segment's piece: slot 0 holds the piece of the
-    request the segment starts in, slot 1 that of the request it ends in."""
-    return ((kv_head * max_segments + seg) * 2 + slot) * GROUP + tl.arange(0, BLOCK_H)
+def _piece(kv_head, prog, slot, num_progs, GROUP: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rows of the partial buffers for one program's piece: slot 0 holds the piece of the
+    request its range starts in, slot 1 that of the request it ends in."""
+    return ((kv_head * num_progs + prog) * 2 + slot) * GROUP + tl.arange(0, BLOCK_H)
 
 
 @triton.jit
 def _merge_pieces(
-    req, kv_head, num_static, active, max_segments, num_reqs, out_ptr, req_tile_start_ptr,
-    counters_ptr, part_out_ptr, part_lse_ptr, stride_out_tok, stride_out_head,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+    req, kv_head, total, active, num_progs, num_reqs, out_ptr, req_tile_start_ptr, counters_ptr,
+    part_out_ptr, part_lse_ptr, stride_out_tok, stride_out_head,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """Count this segment's piece of `req` in; the program that brings the last piece merges
+    """Count this program's piece of `req` in; the program that brings the last piece merges
     every piece (its own included) into the output and resets the counter."""
     first = tl.load(req_tile_start_ptr + req)
     end = tl.load(req_tile_start_ptr + req + 1)
-    # the segments that hold the request's first and last tiles
-    seg_lo = _segment_of(first, num_static, active, CHUNK)
-    seg_hi = _segment_of(end - 1, num_static, active, CHUNK)
+    # the programs whose ranges hold the request's first and last tiles
+    prog_lo = (((first + 1).to(tl.int64) * active - 1) // total).to(tl.int32)
+    prog_hi = ((end.to(tl.int64) * active - 1) // total).to(tl.int32)
     counter = counters_ptr + kv_head * num_reqs + req
     tl.debug_barrier()  # every thread's partial stores issued before the release below
     count = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if count == seg_hi - seg_lo:
+    if count == prog_hi - prog_lo:
         rows = tl.arange(0, BLOCK_H)
         row_mask = rows < GROUP
         dims = tl.arange(0, HEAD_DIM)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         weight = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        lo_start = _segment_start(seg_lo, num_static, active, CHUNK)
-        for seg in range(seg_lo, seg_hi + 1):
-            slot = ((seg == seg_lo) & (first > lo_start)).to(tl.int32)
-            piece = _piece(kv_head, seg, slot, max_segments, GROUP, BLOCK_H)
+        for prog in range(prog_lo, prog_hi + 1):
+            range_start = (prog_lo.to(tl.int64) * total // active).to(tl.int32)
+            slot = ((prog == prog_lo) & (first > range_start)).to(tl.int32)
+            piece = _piece(kv_head, prog, slot, num_progs, GROUP, BLOCK_H)
             lse = tl.load(part_lse_ptr + piece, mask=row_mask, other=float("-inf"),
                           cache_modifier=".cg")
             part = tl.load(part_out_ptr + piece[:, None] * HEAD_DIM + dims[None, :],
@@ -205,8 +197,8 @@ def _attend_tile(
 
 @triton.jit
 def _write_request(
-    out_ptr, part_out_ptr, part_lse_ptr, m, l, acc, req, is_whole, slot, kv_head, seg,
-    max_segments, stride_out_tok, stride_out_head,
+    out_ptr, part_out_ptr, part_lse_ptr, m, l, acc, req, is_whole, slot, kv_head, prog,
+    num_progs, stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """The end of a request in this range: its output when the range holds all of it, else this
@@ -219,93 +211,23 @@ def _write_request(
         heads = kv_head * GROUP + rows
         dst = out_ptr + req * stride_out_tok + heads[:, None] * stride_out_head + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-    else:  # a piece of a request this segment shares with its neighbours
-        piece = _piece(kv_head, seg, slot, max_segments, GROUP, BLOCK_H)
+    else:  # a piece of a request this range shares with its neighbours
+        piece = _piece(kv_head, prog, slot, num_progs, GROUP, BLOCK_H)
         tl.store(part_out_ptr + piece[:, None] * HEAD_DIM + dims[None, :], out,
                  mask=row_mask[:, None])
         tl.store(part_lse_ptr + piece, m + tl.log2(l), mask=row_mask)
 
 
-@triton.jit
-def _segment_start(seg, num_static, active, CHUNK: tl.constexpr):
-    """The first tile of segment `seg`: segments 0..active-1 cut the first num_static tiles
-    into equal static ranges, one per program; the claimed chunks of CHUNK tiles follow."""
-    static = (seg.to(tl.int64) * num_static // active).to(tl.int32)
-    return tl.where(seg < active, static, num_static + (seg - active) * CHUNK)
-
-
-@triton.jit
-def _segment_of(tile, num_static, active, CHUNK: tl.constexpr):
-    """The segment that holds `tile` (the inverse of _segment_start)."""
-    static = (((tile + 1).to(tl.int64) * active - 1) // tl.maximum(num_static, 1)).to(tl.int32)
-    return tl.where(tile < num_static, static, active + (tile - num_static) // CHUNK)
-
-
-@triton.jit
-def _attend_range(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_req_ptr, tile_info_ptr, tile_blocks_ptr,
-    req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr, trace_ptr, record, seg,
-    tile_lo, tile_hi, num_static, active, max_segments, kv_head, scale_log2e, num_reqs,
-    stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
-    stride_out_tok, stride_out_head,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE_PAGES: tl.constexpr, CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
-):
-    """Tiles [tile_lo, tile_hi) of the list, segment `seg`, in one pipelined loop: the requests
-    wholly inside written out, the cut ones left as pieces, and merged here when this segment
-    brings a request's last piece."""
-    first_req = tl.load(tile_req_ptr + tile_lo)
-    has_start = tl.zeros([], tl.int32)  # 1: the current request's first tile is in this range
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for tile in range(tile_lo, tile_hi):
-        req = tl.load(tile_req_ptr + tile)
-        info = tl.load(tile_info_ptr + tile)
-        is_last = ((info >> _LAST) & 1) == 1
-        has_start = tl.where(((info >> _FIRST) & 1) == 1, 1, has_start)
-        m, l, acc = _attend_tile(
-            q_ptr, k_cache_ptr, v_cache_ptr, tile_blocks_ptr, tile, req, info, kv_head, m, l,
-            acc, scale_log2e, stride_q_tok, stride_q_head, stride_cache_block,
-            stride_cache_tok, stride_cache_head, GROUP, BLOCK_H, HEAD_DIM, PAGE_SIZE, BLOCK_N,
-            TILE_PAGES, DOT_PRECISION)
-        if is_last | (tile == tile_hi - 1):
-            _write_request(out_ptr, part_out_ptr, part_lse_ptr, m, l, acc, req,
-                           is_last & (has_start == 1), tl.where(req == first_req, 0, 1),
-                           kv_head, seg, max_segments, stride_out_tok, stride_out_head,
-                           GROUP, BLOCK_H, HEAD_DIM)
-            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_H], tl.float32)
-            acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-
-    if TRACE:  # the last range's loop end is the one that stays
-        _stamp(trace_ptr, record, 2, tile_hi)
-    first_info = tl.load(tile_info_ptr + tile_lo)
-    last_req = tl.load(tile_req_ptr + tile_hi - 1)
-    last_info = tl.load(tile_info_ptr + tile_hi - 1)
-    is_first_cut = ((first_info >> _FIRST) & 1) == 0  # begun by an earlier segment
-    is_last_cut = ((last_info >> _LAST) & 1) == 0  # finished by a later segment
-    if is_first_cut:
-        _merge_pieces(first_req, kv_head, num_static, active, max_segments, num_reqs, out_ptr,
-                      req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
-                      stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM, CHUNK)
-    if is_last_cut & ((last_req != first_req) | (not is_first_cut)):
-        _merge_pieces(last_req, kv_head, num_static, active, max_segments, num_reqs, out_ptr,
-                      req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
-                      stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM, CHUNK)
-
-
-@triton.jit(do_not_specialize=["num_reqs", "max_segments"])
+@triton.jit(do_not_specialize=["num_reqs"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr, claims_ptr,
-    part_out_ptr, part_lse_ptr, trace_ptr, scale_log2e, num_reqs, max_segments,
+    tile_req_ptr, tile_info_ptr, tile_blocks_ptr, req_tile_start_ptr, counters_ptr,
+    part_out_ptr, part_lse_ptr, trace_ptr, scale_log2e, num_reqs,
     stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TAIL: tl.constexpr, CHUNK: tl.constexpr, TRACE: tl.constexpr, USE_PDL: tl.constexpr,
+    TRACE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
     kv_head = tl.program_id(0)
@@ -315,44 +237,51 @@ def _decode_kernel(
     if TRACE:
         _stamp(trace_ptr, record, 0, prog)
     total = tl.load(req_tile_start_ptr + num_reqs)
-    # the pool: the list's last TAIL/64 of tiles (none while every program has at most one),
-    # in chunks the programs claim as they finish, up to the segments the scratch holds
-    pool = tl.minimum(tl.maximum(total - num_progs, 0), total * TAIL // 64)
-    num_chunks = tl.minimum(tl.cdiv(pool, CHUNK), max_segments - num_progs)
-    num_static = total - tl.minimum(pool, num_chunks * CHUNK)
-    active = tl.minimum(num_progs, num_static)  # every active program gets at least one tile
+    active = tl.minimum(num_progs, total)  # every active program gets at least one tile
     if prog < active:
-        tile_lo = _segment_start(prog, num_static, active, CHUNK)
-        tile_hi = _segment_start(prog + 1, num_static, active, CHUNK)
+        tile_lo = (prog.to(tl.int64) * total // active).to(tl.int32)
+        tile_hi = ((prog + 1).to(tl.int64) * total // active).to(tl.int32)
+        first_req = tl.load(tile_req_ptr + tile_lo)
         if TRACE:
-            _stamp(trace_ptr, record, 1, tl.load(tile_req_ptr + tile_lo))
-        # the range, then the claims: a loop of tiles nested in the claims' loop is not
-        # software-pipelined (0fe7001: 158.6 against ~152 us at 256 rows, no claims)
-        _attend_range(
-            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_req_ptr, tile_info_ptr,
-            tile_blocks_ptr, req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
-            trace_ptr, record, prog, tile_lo, tile_hi, num_static, active, max_segments,
-            kv_head, scale_log2e, num_reqs, stride_q_tok, stride_q_head, stride_cache_block,
-            stride_cache_tok, stride_cache_head, stride_out_tok, stride_out_head,
-            GROUP, BLOCK_H, HEAD_DIM, PAGE_SIZE, BLOCK_N, TILE_PAGES, CHUNK, DOT_PRECISION, TRACE)
-        if num_chunks > 0:
-            claim = tl.atomic_add(claims_ptr + kv_head, 1, sem="relaxed", scope="gpu")
-            while claim < num_chunks:
-                tile_lo = num_static + claim * CHUNK
-                _attend_range(
-                    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_req_ptr, tile_info_ptr,
-                    tile_blocks_ptr, req_tile_start_ptr, counters_ptr, part_out_ptr,
-                    part_lse_ptr, trace_ptr, record, active + claim, tile_lo,
-                    tl.minimum(tile_lo + CHUNK, total), num_static, active, max_segments,
-                    kv_head, scale_log2e, num_reqs, stride_q_tok, stride_q_head,
-                    stride_cache_block, stride_cache_tok, stride_cache_head, stride_out_tok,
-                    stride_out_head, GROUP, BLOCK_H, HEAD_DIM, PAGE_SIZE, BLOCK_N, TILE_PAGES,
-                    CHUNK, DOT_PRECISION, TRACE)
-                claim = tl.atomic_add(claims_ptr + kv_head, 1, sem="relaxed", scope="gpu")
-            # every active program's claims end with one past the pool: the last of those
-            # resets the counter for the next launch
-            if claim == num_chunks + active - 1:
-                tl.store(claims_ptr + kv_head, 0)
+            _stamp(trace_ptr, record, 1, first_req)
+        has_start = tl.zeros([], tl.int32)  # 1: the current request's first tile is in this range
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for tile in range(tile_lo, tile_hi):
+            req = tl.load(tile_req_ptr + tile)
+            info = tl.load(tile_info_ptr + tile)
+            is_last = ((info >> _LAST) & 1) == 1
+            has_start = tl.where(((info >> _FIRST) & 1) == 1, 1, has_start)
+            m, l, acc = _attend_tile(
+                q_ptr, k_cache_ptr, v_cache_ptr, tile_blocks_ptr, tile, req, info, kv_head, m, l,
+                acc, scale_log2e, stride_q_tok, stride_q_head, stride_cache_block,
+                stride_cache_tok, stride_cache_head, GROUP, BLOCK_H, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                TILE_PAGES, DOT_PRECISION)
+            if is_last | (tile == tile_hi - 1):
+                _write_request(out_ptr, part_out_ptr, part_lse_ptr, m, l, acc, req,
+                               is_last & (has_start == 1), tl.where(req == first_req, 0, 1),
+                               kv_head, prog, num_progs, stride_out_tok, stride_out_head,
+                               GROUP, BLOCK_H, HEAD_DIM)
+                m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+                l = tl.zeros([BLOCK_H], tl.float32)
+                acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+
+        if TRACE:
+            _stamp(trace_ptr, record, 2, tile_hi)
+        first_info = tl.load(tile_info_ptr + tile_lo)
+        last_req = tl.load(tile_req_ptr + tile_hi - 1)
+        last_info = tl.load(tile_info_ptr + tile_hi - 1)
+        is_first_cut = ((first_info >> _FIRST) & 1) == 0  # begun by an earlier range
+        is_last_cut = ((last_info >> _LAST) & 1) == 0  # finished by a later range
+        if is_first_cut:
+            _merge_pieces(first_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
+                          req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
+                          stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
+        if is_last_cut & ((last_req != first_req) | (not is_first_cut)):
+            _merge_pieces(last_req, kv_head, total, active, num_progs, num_reqs, out_ptr,
+                          req_tile_start_ptr, counters_ptr, part_out_ptr, part_lse_ptr,
+                          stride_out_tok, stride_out_head, GROUP, BLOCK_H, HEAD_DIM)
     if TRACE:
         _stamp(trace_ptr, record, 3, prog)
 
@@ -388,24 +317,12 @@ def _programs_per_head(device: torch.device, num_kv_heads: int, cap: int, args: 
 
 
 def _config(dtype: torch.dtype, head_dim: int) -> dict:
-    # TAIL: the last TAIL/64 of the tile list is left to claims, CHUNK tiles a claim
-    balance = dict(TAIL=TAIL, CHUNK=CHUNK)
     if dtype == torch.float32:  # tests only: exact fp32 dots, tiles small enough for shared memory
-        return dict(BLOCK_N=16, DOT_PRECISION="ieee", num_warps=4, num_stages=2) | balance
+        return dict(BLOCK_N=16, DOT_PRECISION="ieee", num_warps=4, num_stages=2)
     # Measured on the H200 (bench/tune_decode.py, decode_tuning-5883bf3.json): 128-key tiles in
     # two stages are the best or within 1% of it on every shape; 8 warps are 30-40% slower.
     return dict(BLOCK_N=128 if head_dim <= 128 else 64, DOT_PRECISION="tf32", num_warps=4,
-                num_stages=2) | balance
-
-
-def claimed_split(total: int, num_programs: int, max_segments: int, tail: int = TAIL,
-                  chunk: int = CHUNK) -> tuple[int, int]:
-    """What a launch does with a list of `total` tiles (the kernel's own arithmetic, for probes
-    and tests): (num_static, num_chunks), the tiles its programs' ranges cut evenly and the
-    chunks of `chunk` tiles claimed after them."""
-    pool = min(max(total - num_programs, 0), total * tail // 64)
-    num_chunks = min(-(-pool // chunk), max_segments - num_programs)
-    return total - min(pool, num_chunks * chunk), num_chunks
+                num_stages=2)
 
 
 @dataclass
@@ -417,17 +334,15 @@ class DecodePlan:
     block_n: int
     # per kv head; None: as many as fill the GPU once, resolved (and kept) by the first launch
     num_programs: int | None
-    max_programs: int  # per kv head, what a launch may run
-    max_segments: int  # per kv head, what the partial scratch holds: ranges and claimed chunks
+    max_programs: int  # per kv head, what the partial scratch holds
     tile_req: torch.Tensor  # [max_tiles] int32: the request of each tile
     tile_info: torch.Tensor  # [max_tiles] int32: valid keys | first, last flags | page offset
     tile_blocks: torch.Tensor  # [max_tiles * tile_pages] int32: each tile's block ids
     req_tile_start: torch.Tensor  # [num_reqs + 1] int32: first tile of each request; total
     counters: torch.Tensor  # [num_kv_heads, num_reqs] int32: pieces merged so far (zeros)
-    claims: torch.Tensor  # [num_kv_heads] int32: chunks claimed so far (zeros between launches)
-    # per (kv head, segment, slot): segments are the programs' ranges, then the claimed chunks
-    part_out: torch.Tensor  # [num_kv_heads * max_segments * 2 * group * head_dim] float32
-    part_lse: torch.Tensor  # [num_kv_heads * max_segments * 2 * group] float32
+    # per (kv head, program, slot) of a launch's programs (max_programs bounds them)
+    part_out: torch.Tensor  # [num_kv_heads * max_programs * 2 * group * head_dim] float32
+    part_lse: torch.Tensor  # [num_kv_heads * max_programs * 2 * group] float32
 
 
 def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -448,26 +363,23 @@ def plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tens
     if num_programs is not None:
         num_programs = max(1, min(num_programs, max_tiles))
     max_programs = num_programs or max(1, _num_sms(q.device) * MAX_PROGRAMS_PER_SM // num_kv_heads)
-    max_segments = max_programs + max(max_programs, MIN_CHUNKS)
     group = num_heads // num_kv_heads
     i32 = dict(dtype=torch.int32, device=q.device)
     plan = DecodePlan(
         num_reqs=num_reqs, block_n=block_n, num_programs=num_programs, max_programs=max_programs,
-        max_segments=max_segments,
         tile_req=torch.empty(max_tiles, **i32), tile_info=torch.empty(max_tiles, **i32),
         tile_blocks=torch.empty(max_tiles * tile_pages, **i32),
         req_tile_start=torch.empty(num_reqs + 1, **i32),
         counters=torch.empty(num_kv_heads, num_reqs, **i32),
-        claims=torch.empty(num_kv_heads, **i32),
-        part_out=torch.empty(num_kv_heads * max_segments * 2 * group * head_dim,
+        part_out=torch.empty(num_kv_heads * max_programs * 2 * group * head_dim,
                              dtype=torch.float32, device=q.device),
-        part_lse=torch.empty(num_kv_heads * max_segments * 2 * group, dtype=torch.float32,
+        part_lse=torch.empty(num_kv_heads * max_programs * 2 * group, dtype=torch.float32,
                              device=q.device))
     if num_reqs:
         _plan_kernel[(num_reqs,)](
             seq_lens, block_tables, num_reqs, num_kv_heads, block_tables.stride(0),
             plan.tile_req, plan.tile_info, plan.tile_blocks, plan.req_tile_start, plan.counters,
-            plan.claims, BLOCK_N=block_n, PAGE_SIZE=block_size, TILE_PAGES=tile_pages, CHUNK=PLAN_CHUNK,
+            BLOCK_N=block_n, PAGE_SIZE=block_size, TILE_PAGES=tile_pages, CHUNK=PLAN_CHUNK,
             num_warps=4)
     return plan
 
@@ -499,14 +411,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         plan = plan_decode(q, k_cache, block_tables, seq_lens)
     group = num_heads // num_kv_heads
     assert plan.num_reqs == num_reqs and plan.counters.shape == (num_kv_heads, num_reqs)
-    assert plan.part_lse.numel() == num_kv_heads * plan.max_segments * 2 * group
-    assert plan.claims.shape == (num_kv_heads,)
+    assert plan.part_lse.numel() == num_kv_heads * plan.max_programs * 2 * group
     assert plan.part_out.numel() == plan.part_lse.numel() * head_dim
     assert plan.tile_req.device == q.device
     args = (q, k_cache, v_cache, out, plan.tile_req, plan.tile_info, plan.tile_blocks,
-            plan.req_tile_start, plan.counters, plan.claims, plan.part_out, plan.part_lse,
+            plan.req_tile_start, plan.counters, plan.part_out, plan.part_lse,
             plan.counters if trace is None else trace, scale * LOG2E,
-            num_reqs, plan.max_segments, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            num_reqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), out.stride(0), out.stride(1))
     constexprs = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size,

@@ -25,16 +25,15 @@ HEADS = [(16, 8), (32, 8), (4, 4), (12, 4), (16, 1)]  # (q heads, kv heads): GQA
 
 
 def run_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
-             num_programs=None, config=None):
+             num_programs=None):
     cache = make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
     q = randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device=device, gen=gen)
     lens = int32(seq_lens, device)
     scale = head_dim ** -0.5
     plan = plan_decode(q, cache.k_cache, cache.block_tables, lens, num_programs=num_programs)
     out = paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, lens, scale,
-                                 out=nan_like(q), plan=plan, config=config)
+                                 out=nan_like(q), plan=plan)
     assert not plan.counters.any(), "a merge counter was left set for the next layer"
-    assert not plan.claims.any(), "the claim counter was left set for the next layer"
     expected = paged_decode_attention_ref(q, cache.k_cache, cache.v_cache, cache.block_tables,
                                           lens, scale)
     assert_close(out, expected, dtype)
@@ -69,20 +68,6 @@ def test_decode_long_contexts_over_programs(dtype, num_programs, device, gen):
     longest = 8192 if on_gpu(device) else 1100
     seq_lens = [longest, 1, 257, longest // 2 + 3, 64 * 5]
     run_case(seq_lens, 16, 8, 128, 16, dtype, device, gen, num_programs=num_programs)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tail,chunk", [(0, 1), (16, 1), (32, 3), (64, 2)])
-@pytest.mark.parametrize("num_programs", [1, 3, 7])
-def test_claimed_chunks(dtype, tail, chunk, num_programs, device, gen):
-    """The list's last tail/64 tiles claimed in chunks of `chunk`: requests cut between a
-    range and a chunk and over several chunks. At 64/64 every tile past the programs' first
-    ones is left to claims, more chunks than the scratch holds (MIN_CHUNKS), which bounds
-    them. tail 0: static ranges alone."""
-    skip_unsupported(dtype, device)
-    seq_lens = [1, 33, 200, 17, 64, 129, 5, 300, 48]
-    run_case(seq_lens, 16, 8, 128, 16, dtype, device, gen, num_programs=num_programs,
-             config=dict(TAIL=tail, CHUNK=chunk))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
