@@ -121,8 +121,9 @@ def figures(before, after, done) -> dict:
 
 def step_times(before, after) -> dict:
     """From GetLoad before and after: how many steps had prompt tokens, the data plane's own
-    mean host and total milliseconds of a prompt step and of a decode step, and the seconds
-    the device sat idle before each kind, over steps sent while another was in flight (the
+    mean host and total milliseconds of a prompt step and of a decode step, the seconds the
+    device worked on each kind (the in-process run's device_time.device_s_by_kind), and the
+    seconds it sat idle before each kind, over steps sent while another was in flight (the
     in-process run's device_time.device_idle_s sums every gap between its steps)."""
     steps = after.num_steps - before.num_steps
     prompt_steps = after.num_prompt_steps - before.num_prompt_steps
@@ -132,5 +133,6 @@ def step_times(before, after) -> dict:
         for part in ("host", "total"):
             field = f"{kind}_step_{part}_seconds"
             out[f"{kind}_step_{part}_ms"] = 1e3 * spent(field) / count if count else None
+        out[f"{kind}_step_device_s"] = spent(f"{kind}_step_device_seconds")
         out[f"{kind}_step_device_idle_s"] = spent(f"{kind}_step_device_idle_seconds")
     return out

@@ -215,7 +215,11 @@ class DeviceTimeline:
             buckets.setdefault(kind, []).append((b, g, context))
         submits = np.diff(np.array(self.submit_times), prepend=self.submit_times[0])
         longest = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:5]
-        return {"device_busy_s": sum(busy), "device_idle_s": sum(gaps),
+        by_kind = {"prompt": 0.0, "decode": 0.0}  # split mode's {kind}_step_device_s
+        for (rows, tokens, _), b in zip(shapes, busy):
+            by_kind["prompt" if tokens > rows else "decode"] += b
+        return {"device_busy_s": sum(busy), "device_s_by_kind": by_kind,
+                "device_idle_s": sum(gaps),
                 "host_before_first_step_s": before,
                 "after_last_step_s": run_seconds - before - span,
                 # where the device waited longest: the step, its shape, and the host's time

@@ -158,4 +158,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                    prompt_step_device_idle_seconds=times.prompt.device_idle_s,
                                    decode_step_host_seconds=times.decode.host_s,
                                    decode_step_total_seconds=times.decode.total_s,
-                                   decode_step_device_idle_seconds=times.decode.device_idle_s)
+                                   decode_step_device_idle_seconds=times.decode.device_idle_s,
+                                   prompt_step_device_seconds=times.prompt.device_s,
+                                   decode_step_device_seconds=times.decode.device_s)

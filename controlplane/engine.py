@@ -42,16 +42,18 @@ class KindTimes:
     host_s: float = 0.0
     total_s: float = 0.0
     device_idle_s: float = 0.0
+    device_s: float = 0.0
 
 
 @dataclass
 class StepTimes:
     """The data plane's own timings of its steps, by kind: prompt steps have a request with more
     than one new token (they run without CUDA graphs), decode steps do not. GetLoad reports
-    them. The device's idle time counts only before steps sent while another was in flight,
-    the steps the pipeline should have kept the device busy for. A step sent with none in
-    flight mostly follows a wait for work (an idle server, a new request); the rare pipeline
-    break with live requests (one waiting for a token still in flight) is left out with them."""
+    them. The device's work counts for every step; its idle time only before steps sent while
+    another was in flight, the steps the pipeline should have kept the device busy for. A step
+    sent with none in flight mostly follows a wait for work (an idle server, a new request); the
+    rare pipeline break with live requests (one waiting for a token still in flight) is left out
+    with them."""
 
     prompt: KindTimes = field(default_factory=KindTimes)
     decode: KindTimes = field(default_factory=KindTimes)
@@ -62,6 +64,7 @@ class StepTimes:
         kind.num_steps += 1
         kind.host_s += timings.forward_ms / 1e3
         kind.total_s += timings.total_ms / 1e3
+        kind.device_s += timings.device_ms / 1e3
         if is_behind_another:
             kind.device_idle_s += timings.device_idle_ms / 1e3
 

@@ -69,9 +69,11 @@ class PendingStep:
     # a finished request's slot to another request
     num_logprobs: np.ndarray | None = None
     # rank 0 on CUDA: timing events at the start of this step's device work and at the end of
-    # the step's before it (None for the first step of an epoch), for Timings.device_idle_ms
+    # the step's before it (None for the first step of an epoch), for Timings.device_idle_ms,
+    # and at this step's end, for Timings.device_ms
     device_start: torch.cuda.Event | None = None
     previous_end: torch.cuda.Event | None = None
+    device_end: torch.cuda.Event | None = None
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()
@@ -82,6 +84,13 @@ class PendingStep:
         if self.previous_end is None or not self.device_start.query():
             return 0.0
         return self.previous_end.elapsed_time(self.device_start)
+
+    def device_ms(self) -> float:
+        """The device's time on this step, once it has finished (0 before that, or not on
+        CUDA)."""
+        if self.device_end is None or not self.device_end.query():
+            return 0.0
+        return self.device_start.elapsed_time(self.device_end)
 
 
 class ModelRunner:
@@ -357,7 +366,7 @@ class ModelRunner:
             end = self._last_end = _timing_event()
         done = end if host_tokens is not None else None
         return PendingStep(step.step_id, started, time.perf_counter(), sampled_slots, out,
-                           host_tokens, done, num_logprobs, device_start, previous_end)
+                           host_tokens, done, num_logprobs, device_start, previous_end, end)
 
     def _to_host(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -376,7 +385,8 @@ class ModelRunner:
         timings = link_pb2.Timings(forward_ms=1e3 * (pending.submitted - pending.started),
                                    sample_ms=1e3 * (done - pending.submitted),
                                    total_ms=1e3 * (done - pending.started),
-                                   device_idle_ms=pending.device_idle_ms())
+                                   device_idle_ms=pending.device_idle_ms(),
+                                   device_ms=pending.device_ms())
         tokens = pending.host_tokens.tolist() if pending.host_tokens is not None else []
         return _result(pending.step_id, tokens, pending.out, pending.num_logprobs, timings)
 

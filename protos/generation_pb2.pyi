@@ -173,7 +173,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_preemptions", "num_dataplane_losses", "num_steps", "link_bytes_sent", "link_bytes_received", "control_plane_cpu_seconds", "frontend_cpu_seconds", "num_prompt_steps", "prompt_step_host_seconds", "prompt_step_total_seconds", "decode_step_host_seconds", "decode_step_total_seconds", "prompt_step_device_idle_seconds", "decode_step_device_idle_seconds")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_preemptions", "num_dataplane_losses", "num_steps", "link_bytes_sent", "link_bytes_received", "control_plane_cpu_seconds", "frontend_cpu_seconds", "num_prompt_steps", "prompt_step_host_seconds", "prompt_step_total_seconds", "decode_step_host_seconds", "decode_step_total_seconds", "prompt_step_device_idle_seconds", "decode_step_device_idle_seconds", "prompt_step_device_seconds", "decode_step_device_seconds")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,8 @@ class Load(_message.Message):
     DECODE_STEP_TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_STEP_DEVICE_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_DEVICE_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_STEP_DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_used: int
@@ -210,4 +212,6 @@ class Load(_message.Message):
     decode_step_total_seconds: float
     prompt_step_device_idle_seconds: float
     decode_step_device_idle_seconds: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_dataplane_losses: _Optional[int] = ..., num_steps: _Optional[int] = ..., link_bytes_sent: _Optional[int] = ..., link_bytes_received: _Optional[int] = ..., control_plane_cpu_seconds: _Optional[float] = ..., frontend_cpu_seconds: _Optional[float] = ..., num_prompt_steps: _Optional[int] = ..., prompt_step_host_seconds: _Optional[float] = ..., prompt_step_total_seconds: _Optional[float] = ..., decode_step_host_seconds: _Optional[float] = ..., decode_step_total_seconds: _Optional[float] = ..., prompt_step_device_idle_seconds: _Optional[float] = ..., decode_step_device_idle_seconds: _Optional[float] = ...) -> None: ...
+    prompt_step_device_seconds: float
+    decode_step_device_seconds: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_dataplane_losses: _Optional[int] = ..., num_steps: _Optional[int] = ..., link_bytes_sent: _Optional[int] = ..., link_bytes_received: _Optional[int] = ..., control_plane_cpu_seconds: _Optional[float] = ..., frontend_cpu_seconds: _Optional[float] = ..., num_prompt_steps: _Optional[int] = ..., prompt_step_host_seconds: _Optional[float] = ..., prompt_step_total_seconds: _Optional[float] = ..., decode_step_host_seconds: _Optional[float] = ..., decode_step_total_seconds: _Optional[float] = ..., prompt_step_device_idle_seconds: _Optional[float] = ..., decode_step_device_idle_seconds: _Optional[float] = ..., prompt_step_device_seconds: _Optional[float] = ..., decode_step_device_seconds: _Optional[float] = ...) -> None: ...

@@ -151,16 +151,18 @@ class Step(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., freed_slots: _Optional[bytes] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., slots: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., previous_step_id: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("forward_ms", "sample_ms", "total_ms", "device_idle_ms")
+    __slots__ = ("forward_ms", "sample_ms", "total_ms", "device_idle_ms", "device_ms")
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MS_FIELD_NUMBER: _ClassVar[int]
     forward_ms: float
     sample_ms: float
     total_ms: float
     device_idle_ms: float
-    def __init__(self, forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., device_idle_ms: _Optional[float] = ...) -> None: ...
+    device_ms: float
+    def __init__(self, forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., device_idle_ms: _Optional[float] = ..., device_ms: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_token_ids", "top_logprobs", "timings")

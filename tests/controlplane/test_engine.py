@@ -86,13 +86,15 @@ def test_streams_complete_with_the_data_planes_tokens():
 
 
 def test_the_device_idle_counts_only_before_steps_sent_behind_another():
-    """Each step says its device waited 2 ms. The first step of a request that arrives at an
-    idle engine goes out alone (the device waited for work, not for the host): not counted;
-    every later one goes out while another is in flight."""
+    """Each step says its device waited 2 ms and worked 3. The first step of a request that
+    arrives at an idle engine goes out alone (the device waited for work, not for the host):
+    its wait is not counted; every later one goes out while another is in flight. The work
+    counts for every step."""
     class Idling(FakeDataPlane):
         async def execute(self, step, epoch, timeout_s):
             result = await super().execute(step, epoch, timeout_s)
             result.timings.device_idle_ms = 2.0
+            result.timings.device_ms = 3.0
             return result
 
     async def body(engine, dp):
@@ -102,6 +104,8 @@ def test_the_device_idle_counts_only_before_steps_sent_behind_another():
     num_steps, times = run(body, fake=Idling())
     assert times.prompt.num_steps == 1 and times.prompt.device_idle_s == 0
     assert times.decode.device_idle_s == pytest.approx(0.002 * (num_steps - 1))
+    assert times.prompt.device_s == pytest.approx(0.003)
+    assert times.decode.device_s == pytest.approx(0.003 * (num_steps - 1))
 
 
 def test_a_reader_that_falls_behind_gets_what_piled_up_in_one_chunk():

@@ -119,7 +119,8 @@ def steps_with_prompts(runner: ModelRunner) -> list[torch.Tensor]:
 
 def test_steps_report_how_long_the_device_waited_for_them(checkpoints):
     """Timings.device_idle_ms: none for an epoch's first step; at least the host's pause for a
-    step submitted after the device ran dry; less than that for one queued behind another."""
+    step submitted after the device ran dry; less than that for one queued behind another.
+    Timings.device_ms: some work for every step that sampled, less than that pause."""
     runner = ModelRunner.load(RunnerConfig(model_dir=checkpoints["untied"], device="cuda",
                                            dtype="float32", num_kv_blocks=64))
     runner.configure(configure())
@@ -134,6 +135,8 @@ def test_steps_report_how_long_the_device_waited_for_them(checkpoints):
     assert first.timings.device_idle_ms == 0
     assert after_pause.timings.device_idle_ms >= 50
     assert 0 <= queued.timings.device_idle_ms < after_pause.timings.device_idle_ms
+    for result in (first, after_pause, queued):
+        assert 0 < result.timings.device_ms < after_pause.timings.device_idle_ms
 
 
 @pytest.mark.parametrize("name", ["untied", "moe"])

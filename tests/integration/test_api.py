@@ -263,6 +263,7 @@ def test_load_counts_prompt_and_decode_steps_with_the_data_planes_timings(server
             getattr(before, f"{kind}_step_total_seconds")
         assert 0 < host <= total, kind
         assert getattr(after, f"{kind}_step_device_idle_seconds") == 0, kind  # (on CPU)
+        assert getattr(after, f"{kind}_step_device_seconds") == 0, kind
 
 
 def test_200_streams_with_cancels_and_deadlines_leave_nothing_behind(server):
