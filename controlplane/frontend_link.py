@@ -8,6 +8,7 @@ in the front-end's process on another core.
 """
 
 import asyncio
+import itertools
 import logging
 import time
 
@@ -39,6 +40,9 @@ class _CallContext:
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise _Aborted(code, details)
+
+
+CALLS_PER_TURN = 1
 
 
 class FrontendLink:
@@ -83,12 +87,13 @@ class FrontendLink:
     # -- calls ---------------------------------------------------------------------------------
 
     async def _reader(self) -> None:
-        while True:
-            # One message a turn of the loop: a message already waiting is returned without
-            # yielding, so a burst of calls (workload A sends 256 at once) would otherwise start
-            # them all in one turn and hold the engine's next step behind their admission, with
-            # the device idle (~60 ms of the split's prompt steps on the H200).
-            await asyncio.sleep(0)
+        for num_read in itertools.count():
+            # CALLS_PER_TURN messages a turn of the loop: a message already waiting is returned
+            # without yielding, so a burst of calls (workload A sends 256 at once) would
+            # otherwise start them all in one turn and hold the engine's next step behind their
+            # admission, with the device idle (~60 ms of the split's prompt steps on the H200).
+            if num_read % CALLS_PER_TURN == 0:
+                await asyncio.sleep(0)
             frames = await self._sock.recv_multipart()
             try:
                 identity, payload = frames
