@@ -44,7 +44,7 @@ class _CallContext:
 
 # Calls the reader takes a turn of the loop. 16 on the H200 (2afef27, split runs alternating
 # with 1, reader_calls_per_turn-2afef27.json) gave fuller first steps, 8-9 prompt steps instead
-# of 10-11 and 15 ms less device time on them, but the device waited 12-18 ms longer before
+# of 10-11 and 9-17 ms less device time on them, but the device waited 12-18 ms longer before
 # them: a wash (4.972 and 4.958 s against 4.972 and 5.001).
 CALLS_PER_TURN = 1
 

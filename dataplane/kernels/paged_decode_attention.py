@@ -25,7 +25,7 @@ batches at 88-91% of the copy bandwidth at 128-256 requests, 78% at 64 and 60% a
 per-key cache slots (5883bf3) ran the same; the per-page block ids need 1/16 of its memory.
 Leaving the list's last 1-6% to chunks that programs claim from a counter as they finish
 (dynamic balancing of the 4-9 us between the median and the last program's end; 02603d6) lost
-at 8-128 rows and gained at most 1 us at 256 (decode_claims-02603d6.json): a claimed chunk
+at 8-128 rows and gained about 1 us at 256 (decode_claims-02603d6.json): a claimed chunk
 restarts the pipeline and adds merges, which cost more than the spread they remove.
 """
 
