@@ -64,7 +64,6 @@ class PendingStep:
     sampled_slots: np.ndarray  # host
     out: SamplerOutput | None  # rank 0
     host_tokens: torch.Tensor | None  # host copy being filled
-    done: torch.cuda.Event | None
     # logprobs asked per sampled row, read at submit: by finish() the next step may have given
     # a finished request's slot to another request
     num_logprobs: np.ndarray | None = None
@@ -74,6 +73,12 @@ class PendingStep:
     device_start: torch.cuda.Event | None = None
     previous_end: torch.cuda.Event | None = None
     device_end: torch.cuda.Event | None = None
+
+    @property
+    def done(self) -> torch.cuda.Event | None:
+        """What to wait for before reading host_tokens: the step's end, when there are tokens
+        on their way from a CUDA device (the copy is the step's last work)."""
+        return self.device_end if self.host_tokens is not None else None
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()
@@ -342,7 +347,7 @@ class ModelRunner:
     def submit(self, step: link_pb2.Step) -> PendingStep:
         """Launch the step on every rank: forward, sampling on rank 0, sampled tokens to every
         rank's token table and (rank 0) on their way to the host. Rank 0 on CUDA brackets the
-        step with timing events (PendingStep.device_idle_ms)."""
+        step with timing events (PendingStep.device_idle_ms, device_ms, done)."""
         started = time.perf_counter()
         timed = self.device.type == "cuda" and tp_rank() == 0
         device_start = _timing_event() if timed else None
@@ -364,9 +369,8 @@ class ModelRunner:
         end, previous_end = None, self._last_end
         if timed:
             end = self._last_end = _timing_event()
-        done = end if host_tokens is not None else None
         return PendingStep(step.step_id, started, time.perf_counter(), sampled_slots, out,
-                           host_tokens, done, num_logprobs, device_start, previous_end, end)
+                           host_tokens, num_logprobs, device_start, previous_end, end)
 
     def _to_host(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
