@@ -209,15 +209,14 @@ class DeviceTimeline:
         busy = [s[0].elapsed_time(s[1]) / 1e3 for s in self.steps]
         gaps = [0.0] + [a[1].elapsed_time(b[0]) / 1e3 for a, b in zip(self.steps, self.steps[1:])]
         buckets: dict[str, list] = {}
+        by_kind = {"prompt": 0.0, "decode": 0.0}  # split mode's {kind}_step_device_s
         shapes = [step_shape(step) for _, _, step in self.steps]
         for (rows, tokens, context), b, g in zip(shapes, busy, gaps):
             kind = "mixed" if tokens > rows else f"decode {min(256, -(-rows // 32) * 32)}"
             buckets.setdefault(kind, []).append((b, g, context))
+            by_kind["prompt" if tokens > rows else "decode"] += b
         submits = np.diff(np.array(self.submit_times), prepend=self.submit_times[0])
         longest = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:5]
-        by_kind = {"prompt": 0.0, "decode": 0.0}  # split mode's {kind}_step_device_s
-        for (rows, tokens, _), b in zip(shapes, busy):
-            by_kind["prompt" if tokens > rows else "decode"] += b
         return {"device_busy_s": sum(busy), "device_s_by_kind": by_kind,
                 "device_idle_s": sum(gaps),
                 "host_before_first_step_s": before,
