@@ -8,7 +8,6 @@ in the front-end's process on another core.
 """
 
 import asyncio
-import itertools
 import logging
 import time
 
@@ -40,13 +39,6 @@ class _CallContext:
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise _Aborted(code, details)
-
-
-# Calls the reader takes a turn of the loop. 16 on the H200 (2afef27, split runs alternating
-# with 1, reader_calls_per_turn-2afef27.json) gave fuller first steps, 8-9 prompt steps instead
-# of 10-11 and 9-17 ms less device time on them, but the device waited 12-18 ms longer before
-# them: a wash (4.972 and 4.958 s against 4.972 and 5.001).
-CALLS_PER_TURN = 1
 
 
 class FrontendLink:
@@ -91,13 +83,14 @@ class FrontendLink:
     # -- calls ---------------------------------------------------------------------------------
 
     async def _reader(self) -> None:
-        for num_read in itertools.count():
-            # CALLS_PER_TURN messages a turn of the loop: a message already waiting is returned
-            # without yielding, so a burst of calls (workload A sends 256 at once) would
-            # otherwise start them all in one turn and hold the engine's next step behind their
-            # admission, with the device idle (~60 ms of the split's prompt steps on the H200).
-            if num_read % CALLS_PER_TURN == 0:
-                await asyncio.sleep(0)
+        while True:
+            # One message a turn of the loop: a message already waiting is returned without
+            # yielding, so a burst of calls (workload A sends 256 at once) would otherwise start
+            # them all in one turn and hold the engine's next step behind their admission, with
+            # the device idle (~60 ms of the split's prompt steps on the H200). Sixteen a turn
+            # (2afef27, reader_calls_per_turn-2afef27.json) gave fuller first prompt steps but
+            # as much more idle before them: no faster.
+            await asyncio.sleep(0)
             frames = await self._sock.recv_multipart()
             try:
                 identity, payload = frames
