@@ -22,6 +22,7 @@
 #   splitk         split-K o_proj/down_proj with the partials summed by the norm, against cuBLAS
 #   decode-layer   a decode layer with our GEMMs against cuBLAS's, with and without PDL
 #   gate-up        the layer as it runs at 48-128 rows, gate_up on our plain GEMM or cuBLAS's
+#   overlap        a decode step as two half-batches on two streams, attention alternating
 #   gemm-tiles     decode_matmul tiles at 64-256 rows, split-K tiles at 160-256 (the probes' --sweep)
 #   gemm-tests     the decode GEMM, split-K, elementwise and decode attention kernels' tests
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
@@ -113,6 +114,8 @@ for stage in "$@"; do
              2>&1 | grep -v Warning | tail -20 ;;
     decode-layer) timeout 300 python3 bench/decode_layer_probe.py "$OUT/decode_layer.json" 2>&1 \
              | grep -v Warning | tail -14 ;;
+    overlap) timeout 400 python3 bench/overlap_probe.py "$OUT/overlap.json" --programs 1 2 2>&1 \
+             | grep -v Warning | tail -8 ;;
     gate-up) timeout 300 python3 bench/decode_layer_probe.py "$OUT/gate_up.json" --gate-up 2>&1 \
              | grep -v Warning | tail -6 ;;
     gemm-tiles) timeout 280 python3 bench/decode_layer_probe.py "$OUT/decode_layer_sweep.json" \
