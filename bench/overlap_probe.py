@@ -19,6 +19,13 @@ per batch size of uniform 640-key contexts:
 
 Microseconds a step. `python3 bench/overlap_probe.py $OUT/overlap.json [--programs 1 2]`
 (PYTHONPATH: the repo and bench/).
+
+Result on the H200 (overlap-c0959b2.json, best of three interleaved rounds): two streams lost at
+every size, 256 rows 6.23 ms against 5.74, 128 rows 3.74 against 3.43; with no order between the
+halves 5.94 and 3.74. Decode attention holds every SM it can (2 programs an SM, the default), so
+the other half's GEMMs wait for it, and each half pays the whole chain's fixed costs and reads
+the weights again. At 1 program an SM the halves nearly paid for themselves at 128 rows (4.13
+against 4.12 ms), but a step with that attention is 20-26% slower (4.12 against 3.43 ms).
 """
 
 import argparse
