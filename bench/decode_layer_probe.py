@@ -15,7 +15,10 @@ Microseconds a layer. `python3 bench/decode_layer_probe.py $OUT/decode_layer.jso
 (PYTHONPATH: the repo and bench/). With `--sweep` it runs only 1. at 64-256 rows over a wider
 grid (BLOCK_M up to 128, 8 warps, 4 stages): tiles for workload A's large batches. With
 `--gate-up` it runs only the layer as it runs at 48-128 rows, gate_up_proj on our plain GEMM
-(then silu_and_mul) against cuBLAS's.
+(then silu_and_mul) against cuBLAS's. With `--stages` it runs only the layer as it runs at
+8-128 rows with deeper software pipelines in our GEMMs (decode_matmul's and splitk_matmul's
+num_stages and BLOCK_K): at these sizes a GEMM streams its weights at a third of the copy
+bandwidth, as if its loads in flight did not cover the memory's latency.
 """
 
 import itertools
@@ -198,6 +201,9 @@ def main() -> None:
     if "--gate-up" in sys.argv:
         plain_gate_up(report)
         return
+    if "--stages" in sys.argv:
+        stages(report)
+        return
     for rows in ROWS:
         layers = Layers(rows)
         pdl.set_enabled(True)
@@ -240,6 +246,46 @@ def plain_gate_up(report: dict) -> None:
         print(f"{rows:3d} rows of {context} keys, layer us: " + "; ".join(
             f"{arm} " + " ".join(f"{us:.2f}" for us in runs) for arm, runs in result.items()),
             flush=True)
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+
+
+STAGE_SHAPES = [(8, 1024), (32, 1024), (64, 1024), (128, 768)]  # (rows, keys): workload A's
+# (name, over decode_matmul's configs, over splitk_matmul's): K is 1024 for qkv and gate_up and
+# a split's 512-768 for o_proj and down_proj, so 8 stages of 128 hold all of a strip's loads
+STAGE_ARMS = [("shipped", {}, {}), ("mm_s6", dict(num_stages=6), {}),
+              ("mm_s8", dict(num_stages=8), {}), ("mm_k64_s8", dict(BLOCK_K=64, num_stages=8), {}),
+              ("mm_k64_s12", dict(BLOCK_K=64, num_stages=12), {}),
+              ("sk_s4", {}, dict(num_stages=4)), ("sk_s6", {}, dict(num_stages=6)),
+              ("sk_k64_s8", {}, dict(BLOCK_K=64, num_stages=8))]
+
+
+def stages(report: dict) -> None:
+    """The layer as it runs at STAGE_SHAPES with each of STAGE_ARMS's settings written over the
+    kernels' shipped configs (restored after), two rounds, interleaved."""
+    from dataplane.kernels import decode_matmul as mm, splitk_matmul as sk
+    shipped = [(cfg, dict(cfg)) for cfg in (mm._CONFIG, mm._WIDE_CONFIG, sk._CONFIG)]
+    pdl.set_enabled(True)
+    for rows, context in STAGE_SHAPES:
+        layers = Layers(rows, context)
+        result = {name: [] for name, _, _ in STAGE_ARMS}
+        for _ in range(2):
+            for name, mm_over, sk_over in STAGE_ARMS:
+                mm._CONFIG.update(mm_over)
+                mm._WIDE_CONFIG.update(mm_over)
+                sk._CONFIG.update(sk_over)
+                try:
+                    result[name].append(graph_us(lambda: layers.step("routed")) / LAYERS)
+                except Exception as e:  # noqa: BLE001 - out of shared memory: a result
+                    result[name].append(f"{type(e).__name__}: {e}"[:200])
+                finally:
+                    for cfg, original in shipped:
+                        cfg.clear()
+                        cfg.update(original)
+        report["shapes"].append(dict(rows=rows, context=context, layer_us=result))
+        print(f"{rows:3d} rows of {context} keys, layer us: " + "; ".join(
+            f"{name} " + " ".join(f"{us:.2f}" if isinstance(us, float) else us[:60]
+                                  for us in runs) for name, runs in result.items()), flush=True)
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
 
