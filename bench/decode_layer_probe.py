@@ -251,13 +251,19 @@ def plain_gate_up(report: dict) -> None:
 
 
 STAGE_SHAPES = [(8, 1024), (32, 1024), (64, 1024), (128, 768)]  # (rows, keys): workload A's
-# (name, over decode_matmul's configs, over splitk_matmul's): K is 1024 for qkv and gate_up and
-# a split's 512-768 for o_proj and down_proj, so 8 stages of 128 hold all of a strip's loads
-STAGE_ARMS = [("shipped", {}, {}), ("mm_s6", dict(num_stages=6), {}),
-              ("mm_s8", dict(num_stages=8), {}), ("mm_k64_s8", dict(BLOCK_K=64, num_stages=8), {}),
-              ("mm_k64_s12", dict(BLOCK_K=64, num_stages=12), {}),
-              ("sk_s4", {}, dict(num_stages=4)), ("sk_s6", {}, dict(num_stages=6)),
-              ("sk_k64_s8", {}, dict(BLOCK_K=64, num_stages=8))]
+# (name, over decode_matmul's config up to SMALL_TILE_ROWS, over its wider rows' config, over
+# splitk_matmul's): K is 1024 for qkv and gate_up and a split's 512-768 for o_proj and
+# down_proj, so 4-8 stages hold most or all of a strip's loads (dd6468b's run:
+# decode_layer_stages-dd6468b.json; 6-8 stages of 128-deep K tiles do not fit the gated kernel)
+STAGE_ARMS = [("shipped", {}, {}, {}),
+              ("sk_s4", {}, {}, dict(num_stages=4)),
+              ("sk_s5", {}, {}, dict(num_stages=5)),
+              ("sk_k64_s6", {}, {}, dict(BLOCK_K=64, num_stages=6)),
+              ("small_k64_s8+sk_s4", dict(BLOCK_K=64, num_stages=8), {}, dict(num_stages=4)),
+              ("small_k64_s6+sk_s4", dict(BLOCK_K=64, num_stages=6), {}, dict(num_stages=4)),
+              ("small_k64_s8+sk_k64_s8", dict(BLOCK_K=64, num_stages=8), {},
+               dict(BLOCK_K=64, num_stages=8)),
+              ("sk_s4+wide_s5", {}, dict(num_stages=5), dict(num_stages=4))]
 
 
 def stages(report: dict) -> None:
@@ -268,11 +274,11 @@ def stages(report: dict) -> None:
     pdl.set_enabled(True)
     for rows, context in STAGE_SHAPES:
         layers = Layers(rows, context)
-        result = {name: [] for name, _, _ in STAGE_ARMS}
+        result = {name: [] for name, *_ in STAGE_ARMS}
         for _ in range(2):
-            for name, mm_over, sk_over in STAGE_ARMS:
-                mm._CONFIG.update(mm_over)
-                mm._WIDE_CONFIG.update(mm_over)
+            for name, small_over, wide_over, sk_over in STAGE_ARMS:
+                mm._CONFIG.update(small_over)
+                mm._WIDE_CONFIG.update(wide_over)
                 sk._CONFIG.update(sk_over)
                 try:
                     result[name].append(graph_us(lambda: layers.step("routed")) / LAYERS)
