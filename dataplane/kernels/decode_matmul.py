@@ -79,10 +79,17 @@ MAX_ROWS_PLAIN = 128  # pdl.MAX_ROWS's bound, measured on its own: beyond it our
 MAX_ROWS_PLAIN_MLP = 64
 SMALL_TILE_ROWS = 32  # _CONFIG up to here, _WIDE_CONFIG above
 MAX_K = 1024  # Qwen3-0.6B's hidden size; wider inputs keep cuBLAS (not measured)
-# the probe's best at 1-32 rows, plain and gated (BLOCK_M 16 at 1-8 rows; one variant here)
-_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32", num_warps=4,
-               num_stages=3)
-_WIDE_CONFIG = _CONFIG | dict(BLOCK_M=64, num_stages=4)  # the sweep's best at 64 and 128 rows
+# 1-32 rows, plain and gated: 64-deep K tiles in 8 stages, so that half of a strip's loads are
+# in flight at once. The probe's layer as it runs (decode_layer_probe.py --stages,
+# decode_layer_stages-d68aadb.json, with split-K at 4 stages) took 42.3 against 43.6 us at 8
+# rows and 64.5 against 65.6 at 32 with the earlier 128-deep tiles in 3 stages (the probe's best
+# with 3 stages, BLOCK_M 16 at 1-8 rows; one variant here); 6-8 stages of 128 do not fit the
+# gated kernel's shared memory.
+_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32", num_warps=4,
+               num_stages=8)
+# the sweep's best at 64 and 128 rows (decode_layer_sweep-2a21cfb.json); 64-deep K in 8 stages
+# lost 1.3 us a layer at 64 rows, 5 stages of 128 tied (decode_layer_stages-*.json)
+_WIDE_CONFIG = _CONFIG | dict(BLOCK_M=64, BLOCK_K=128, num_stages=4)
 # float32 (tests): exact dots, tiles small enough for the tiny checkpoints
 _FLOAT32_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, DOT_PRECISION="ieee", num_warps=4,
                        num_stages=2)
