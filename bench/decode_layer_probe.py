@@ -18,7 +18,8 @@ grid (BLOCK_M up to 128, 8 warps, 4 stages): tiles for workload A's large batche
 (then silu_and_mul) against cuBLAS's. With `--stages` it runs only the layer as it runs at
 8-128 rows with deeper software pipelines in our GEMMs (decode_matmul's and splitk_matmul's
 num_stages and BLOCK_K): at these sizes a GEMM streams its weights at a third of the copy
-bandwidth, as if its loads in flight did not cover the memory's latency.
+bandwidth, as if its loads in flight did not cover the memory's latency. `--long-stages`: at
+160-256 rows, split-K o_proj/down_proj at 3-5 stages against the shipped cuBLAS.
 """
 
 import itertools
@@ -204,6 +205,9 @@ def main() -> None:
     if "--stages" in sys.argv:
         stages(report)
         return
+    if "--long-stages" in sys.argv:
+        long_stages(report)
+        return
     for rows in ROWS:
         layers = Layers(rows)
         pdl.set_enabled(True)
@@ -264,6 +268,36 @@ STAGE_ARMS = [("shipped", {}, {}, {}),
               ("small_k64_s8+sk_k64_s8", dict(BLOCK_K=64, num_stages=8), {},
                dict(BLOCK_K=64, num_stages=8)),
               ("sk_s4+wide_s5", {}, dict(num_stages=5), dict(num_stages=4))]
+
+
+# 129-256 rows, where the row-parallel layers run on cuBLAS (splitk_matmul.MAX_ROWS): split-K
+# there too, at 3-5 stages (its 3-stage sweep had it within 0.5 us of cuBLAS: 2a21cfb)
+LONG_STAGE_SHAPES = [(160, 640), (192, 640), (256, 640)]
+LONG_STAGE_ARMS = [("shipped", None), ("sk_all_s3", 3), ("sk_all_s4", 4), ("sk_all_s5", 5)]
+
+
+def long_stages(report: dict) -> None:
+    """The layer as it runs at LONG_STAGE_SHAPES, and with split-K at every batch size in each
+    of LONG_STAGE_ARMS's stage counts; two rounds, interleaved."""
+    from dataplane.kernels import splitk_matmul as sk
+    shipped_stages, shipped_max_rows = sk._CONFIG["num_stages"], sk.MAX_ROWS
+    for rows, context in LONG_STAGE_SHAPES:
+        layers = Layers(rows, context)
+        result = {name: [] for name, _ in LONG_STAGE_ARMS}
+        for _ in range(2):
+            for name, num_stages in LONG_STAGE_ARMS:
+                if num_stages is not None:
+                    sk.MAX_ROWS, sk._CONFIG["num_stages"] = 1 << 30, num_stages
+                try:
+                    result[name].append(graph_us(lambda: layers.step("routed")) / LAYERS)
+                finally:
+                    sk.MAX_ROWS, sk._CONFIG["num_stages"] = shipped_max_rows, shipped_stages
+        report["shapes"].append(dict(rows=rows, context=context, layer_us=result))
+        print(f"{rows:3d} rows of {context} keys, layer us: " + "; ".join(
+            f"{name} " + " ".join(f"{us:.2f}" for us in runs) for name, runs in result.items()),
+            flush=True)
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def stages(report: dict) -> None:

@@ -24,7 +24,8 @@
 #   gate-up        the layer as it runs at 48-128 rows, gate_up on our plain GEMM or cuBLAS's
 #   overlap        a decode step as two half-batches on two streams, attention alternating
 #   gemm-tiles     decode_matmul tiles at 64-256 rows, split-K tiles at 160-256 (the probes' --sweep)
-#   gemm-stages    the layer as it runs at 8-128 rows with deeper pipelines in our GEMMs
+#   gemm-stages    the layer as it runs at 8-128 rows with deeper pipelines in our GEMMs, and at
+#                  160-256 rows with split-K at 3-5 stages
 #   gemm-tests     the decode GEMM, split-K, elementwise and decode attention kernels' tests
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise;
@@ -120,7 +121,9 @@ for stage in "$@"; do
     gate-up) timeout 300 python3 bench/decode_layer_probe.py "$OUT/gate_up.json" --gate-up 2>&1 \
              | grep -v Warning | tail -6 ;;
     gemm-stages) timeout 300 python3 bench/decode_layer_probe.py "$OUT/decode_layer_stages.json" \
-             --stages 2>&1 | grep -v Warning | tail -6 ;;
+             --stages 2>&1 | grep -v Warning | tail -6
+           timeout 300 python3 bench/decode_layer_probe.py "$OUT/decode_layer_long_stages.json" \
+             --long-stages 2>&1 | grep -v Warning | tail -4 ;;
     gemm-tiles) timeout 280 python3 bench/decode_layer_probe.py "$OUT/decode_layer_sweep.json" \
              --sweep 2>&1 | grep -v Warning | tail -12
            timeout 280 python3 bench/splitk_probe.py "$OUT/splitk_sweep.json" --sweep 2>&1 \
