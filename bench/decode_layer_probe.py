@@ -134,11 +134,15 @@ class Layers:
         return silu_and_mul(F.linear(x, w))
 
 
+# When set: split-K with K // SPLIT_DEPTH splits (--stages's arms), not splitk_config's count
+SPLIT_DEPTH: int | None = None
+
+
 def row_parallel(x: torch.Tensor, w: torch.Tensor, splitk: bool) -> torch.Tensor:
     """What RowParallelLinear(feeds_norm=True) runs on one GPU (splitk: split-K whatever the
     batch size)."""
     if splitk or splitk_pays(x.shape[0], *w.shape, x.dtype):
-        return splitk_matmul(x, w)
+        return splitk_matmul(x, w, config=SPLIT_DEPTH and dict(SPLITS=w.shape[1] // SPLIT_DEPTH))
     return F.linear(x, w)
 
 
@@ -256,18 +260,14 @@ def plain_gate_up(report: dict) -> None:
 
 STAGE_SHAPES = [(8, 1024), (32, 1024), (64, 1024), (128, 768)]  # (rows, keys): workload A's
 # (name, over decode_matmul's config up to SMALL_TILE_ROWS, over its wider rows' config, over
-# splitk_matmul's): K is 1024 for qkv and gate_up and a split's 512-768 for o_proj and
-# down_proj, so 4-8 stages hold most or all of a strip's loads (dd6468b's run:
-# decode_layer_stages-dd6468b.json; 6-8 stages of 128-deep K tiles do not fit the gated kernel)
+# splitk_matmul's, SPLIT_DEPTH among them): the shipped configs came from the first two sets of
+# arms (decode_layer_stages-dd6468b.json, -d68aadb.json: 3-8 stages, 64- or 128-deep K tiles);
+# these try split-K's count of splits by depth (512: o_proj 4, down_proj 6; 256: 8 and 12)
 STAGE_ARMS = [("shipped", {}, {}, {}),
-              ("sk_s4", {}, {}, dict(num_stages=4)),
-              ("sk_s5", {}, {}, dict(num_stages=5)),
-              ("sk_k64_s6", {}, {}, dict(BLOCK_K=64, num_stages=6)),
-              ("small_k64_s8+sk_s4", dict(BLOCK_K=64, num_stages=8), {}, dict(num_stages=4)),
-              ("small_k64_s6+sk_s4", dict(BLOCK_K=64, num_stages=6), {}, dict(num_stages=4)),
-              ("small_k64_s8+sk_k64_s8", dict(BLOCK_K=64, num_stages=8), {},
-               dict(BLOCK_K=64, num_stages=8)),
-              ("sk_s4+wide_s5", {}, dict(num_stages=5), dict(num_stages=4))]
+              ("sk_s3", {}, {}, dict(num_stages=3)),
+              ("sk_depth512", {}, {}, dict(SPLIT_DEPTH=512)),
+              ("sk_depth256_s3", {}, {}, dict(SPLIT_DEPTH=256, num_stages=3)),
+              ("sk_depth256", {}, {}, dict(SPLIT_DEPTH=256))]
 
 
 # 129-256 rows, where the row-parallel layers run on cuBLAS (splitk_matmul.MAX_ROWS): split-K
@@ -303,6 +303,7 @@ def long_stages(report: dict) -> None:
 def stages(report: dict) -> None:
     """The layer as it runs at STAGE_SHAPES with each of STAGE_ARMS's settings written over the
     kernels' shipped configs (restored after), two rounds, interleaved."""
+    global SPLIT_DEPTH
     from dataplane.kernels import decode_matmul as mm, splitk_matmul as sk
     shipped = [(cfg, dict(cfg)) for cfg in (mm._CONFIG, mm._WIDE_CONFIG, sk._CONFIG)]
     pdl.set_enabled(True)
@@ -313,12 +314,15 @@ def stages(report: dict) -> None:
             for name, small_over, wide_over, sk_over in STAGE_ARMS:
                 mm._CONFIG.update(small_over)
                 mm._WIDE_CONFIG.update(wide_over)
+                sk_over = dict(sk_over)
+                SPLIT_DEPTH = sk_over.pop("SPLIT_DEPTH", None)
                 sk._CONFIG.update(sk_over)
                 try:
                     result[name].append(graph_us(lambda: layers.step("routed")) / LAYERS)
                 except Exception as e:  # noqa: BLE001 - out of shared memory: a result
                     result[name].append(f"{type(e).__name__}: {e}"[:200])
                 finally:
+                    SPLIT_DEPTH = None
                     for cfg, original in shipped:
                         cfg.clear()
                         cfg.update(original)
