@@ -260,14 +260,16 @@ def plain_gate_up(report: dict) -> None:
 
 STAGE_SHAPES = [(8, 1024), (32, 1024), (64, 1024), (128, 768)]  # (rows, keys): workload A's
 # (name, over decode_matmul's config up to SMALL_TILE_ROWS, over its wider rows' config, over
-# splitk_matmul's, SPLIT_DEPTH among them): the shipped configs came from the first two sets of
-# arms (decode_layer_stages-dd6468b.json, -d68aadb.json: 3-8 stages, 64- or 128-deep K tiles);
-# these try split-K's count of splits by depth (512: o_proj 4, down_proj 6; 256: 8 and 12)
+# splitk_matmul's, SPLIT_DEPTH among them): the shipped configs came from the first sets of arms
+# (decode_layer_stages-dd6468b.json, -d68aadb.json: 3-8 stages, 64- or 128-deep K tiles;
+# -29a85a8.json: split-K's splits by depth). These put all of a program's K in flight in
+# the decode GEMM: narrower strips (32 columns, twice the programs) in deeper pipelines.
 STAGE_ARMS = [("shipped", {}, {}, {}),
-              ("sk_s3", {}, {}, dict(num_stages=3)),
-              ("sk_depth512", {}, {}, dict(SPLIT_DEPTH=512)),
-              ("sk_depth256_s3", {}, {}, dict(SPLIT_DEPTH=256, num_stages=3)),
-              ("sk_depth256", {}, {}, dict(SPLIT_DEPTH=256))]
+              ("small_n32_k64_s16", dict(BLOCK_N=32, BLOCK_K=64, num_stages=16), {}, {}),
+              ("small_n32_k128_s8", dict(BLOCK_N=32, BLOCK_K=128, num_stages=8), {}, {}),
+              ("small_n32_k64_s8", dict(BLOCK_N=32, BLOCK_K=64, num_stages=8), {}, {}),
+              ("wide_n32_s8", {}, dict(BLOCK_N=32, num_stages=8), {}),
+              ("wide_n32_s4", {}, dict(BLOCK_N=32), {})]
 
 
 # 129-256 rows, where the row-parallel layers run on cuBLAS (splitk_matmul.MAX_ROWS): split-K
