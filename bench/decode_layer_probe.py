@@ -200,18 +200,12 @@ def sweep(report: dict) -> None:
 def main() -> None:
     torch.manual_seed(0)
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(), shapes=[])
-    if "--sweep" in sys.argv:
-        sweep(report)
-        return
-    if "--gate-up" in sys.argv:
-        plain_gate_up(report)
-        return
-    if "--stages" in sys.argv:
-        stages(report)
-        return
-    if "--long-stages" in sys.argv:
-        long_stages(report)
-        return
+    modes = {"--sweep": sweep, "--gate-up": plain_gate_up, "--stages": stages,
+             "--long-stages": long_stages}
+    for flag, mode in modes.items():
+        if flag in sys.argv:
+            mode(report)
+            return
     for rows in ROWS:
         layers = Layers(rows)
         pdl.set_enabled(True)
@@ -240,6 +234,16 @@ def main() -> None:
             json.dump(report, f, indent=1)
 
 
+def record_arms(report: dict, rows: int, context: int, result: dict[str, list]) -> None:
+    """One shape's us a layer by arm (a run that failed: its error), printed and saved."""
+    report["shapes"].append(dict(rows=rows, context=context, layer_us=result))
+    print(f"{rows:3d} rows of {context} keys, layer us: " + "; ".join(
+        f"{arm} " + " ".join(f"{us:.2f}" if isinstance(us, float) else us[:60] for us in runs)
+        for arm, runs in result.items()), flush=True)
+    with open(sys.argv[1], "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def plain_gate_up(report: dict) -> None:
     """The layer as it runs (the shipped routing and PDL) at GATE_UP_SHAPES, gate_up_proj on the
     plain decode GEMM + silu_and_mul against cuBLAS + silu_and_mul; three rounds, alternating."""
@@ -250,12 +254,7 @@ def plain_gate_up(report: dict) -> None:
             for arm in result:
                 layers.plain_gate_up = arm == "plain"
                 result[arm].append(graph_us(lambda: layers.step("routed")) / LAYERS)
-        report["shapes"].append(dict(rows=rows, context=context, layer_us=result))
-        print(f"{rows:3d} rows of {context} keys, layer us: " + "; ".join(
-            f"{arm} " + " ".join(f"{us:.2f}" for us in runs) for arm, runs in result.items()),
-            flush=True)
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
+        record_arms(report, rows, context, result)
 
 
 STAGE_SHAPES = [(8, 1024), (32, 1024), (64, 1024), (128, 768)]  # (rows, keys): workload A's
@@ -294,12 +293,7 @@ def long_stages(report: dict) -> None:
                     result[name].append(graph_us(lambda: layers.step("routed")) / LAYERS)
                 finally:
                     sk.MAX_ROWS, sk._CONFIG["num_stages"] = shipped_max_rows, shipped_stages
-        report["shapes"].append(dict(rows=rows, context=context, layer_us=result))
-        print(f"{rows:3d} rows of {context} keys, layer us: " + "; ".join(
-            f"{name} " + " ".join(f"{us:.2f}" for us in runs) for name, runs in result.items()),
-            flush=True)
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
+        record_arms(report, rows, context, result)
 
 
 def stages(report: dict) -> None:
@@ -328,12 +322,7 @@ def stages(report: dict) -> None:
                     for cfg, original in shipped:
                         cfg.clear()
                         cfg.update(original)
-        report["shapes"].append(dict(rows=rows, context=context, layer_us=result))
-        print(f"{rows:3d} rows of {context} keys, layer us: " + "; ".join(
-            f"{name} " + " ".join(f"{us:.2f}" if isinstance(us, float) else us[:60]
-                                  for us in runs) for name, runs in result.items()), flush=True)
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
+        record_arms(report, rows, context, result)
 
 
 def long_layer(rows: int, context: int) -> dict:
