@@ -84,7 +84,8 @@ MAX_K = 1024  # Qwen3-0.6B's hidden size; wider inputs keep cuBLAS (not measured
 # decode_layer_stages-d68aadb.json, with split-K at 4 stages) took 42.3 against 43.6 us at 8
 # rows and 64.5 against 65.6 at 32 with the earlier 128-deep tiles in 3 stages (the probe's best
 # with 3 stages, BLOCK_M 16 at 1-8 rows; one variant here); 6-8 stages of 128 do not fit the
-# gated kernel's shared memory.
+# gated kernel's shared memory. On workload A the 1-32-row steps' run-to-run spread (1.86-2.14
+# ms, ab_stages-779e7e5.json) hides the ~35 us a step this is worth.
 _CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32", num_warps=4,
                num_stages=8)
 # the sweep's best at 64 and 128 rows (decode_layer_sweep-2a21cfb.json); 64-deep K in 8 stages

@@ -69,8 +69,10 @@ def splitk_pays(num_rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
 # every batch (one compiled variant a shape, met by configure's captures). 4 stages put all of
 # o_proj's 512-deep split (4 tiles) in flight at once: the layer as it runs took 1.4-2.8 us less
 # than with 3 at 8-128 rows (decode_layer_probe.py --stages, decode_layer_stages-dd6468b.json and
-# -d68aadb.json: 130.7 against 133.5 us at 128 rows); 5-6 stages, or 64-deep tiles in 6-8,
-# gained at most 0.2 us more.
+# -d68aadb.json: 130.7 against 133.5 us at 128 rows), and workload A's decode steps of 97-128
+# rows 0.8-1.0% less (ab_stages-779e7e5.json); 5-6 stages, or 64-deep tiles in 6-8, gained at
+# most 0.2 us more. Above MAX_ROWS 4 stages lose 2.6-4.7 us a layer against cuBLAS, 3 tie
+# (decode_layer_long_stages-e33315d.json).
 _CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLITS=4, DOT_PRECISION="tf32", num_warps=4,
                num_stages=4)
 # float32 (tests): exact dots, tiles small enough for the tiny checkpoints
