@@ -44,18 +44,17 @@ def validate_prompt(token_ids: list[int], field: str, limits: Limits,
     output), so only their maximum is checked."""
     _require(len(token_ids) > 0, field, "the prompt is empty (0 tokens); give at least one")
     # min and max run in C; a per-id Python loop took 62 ms for workload A's 256 prompts
-    # (144k ids) on this machine, all of it before the first step, and the checks below still
-    # take ~30 us a prompt. The array takes integers only (LLM.generate's ids are Python
-    # values: a float or NaN would pass min and max).
-    if is_unsigned:
-        outside = max(token_ids) >= limits.vocab_size
-    else:
+    # (144k ids) on this machine, all of it before the first step. The array takes integers
+    # only (LLM.generate's ids are Python values: a float or NaN would pass min and max); min
+    # and max then walk the list, whose items exist, not the array, which makes an int object
+    # for each item it yields: 49 against 70 us a prompt over workload A's 256 on this machine.
+    if not is_unsigned:
         try:
-            ids = array("q", token_ids)
+            array("q", token_ids)
         except (TypeError, OverflowError) as e:
             raise ValidationError(field, f"token ids must be integers in [0, "
                                          f"{limits.vocab_size}): {e}") from None
-        outside = min(ids) < 0 or max(ids) >= limits.vocab_size
+    outside = (not is_unsigned and min(token_ids) < 0) or max(token_ids) >= limits.vocab_size
     if outside:
         i, token = next((i, t) for i, t in enumerate(token_ids)
                         if not 0 <= t < limits.vocab_size)
