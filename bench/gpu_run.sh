@@ -28,6 +28,8 @@
 #                  160-256 rows with split-K at 3-5 stages
 #   gemm-tests     the decode GEMM, split-K, elementwise and decode attention kernels' tests
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
+#   ab             bench/ab.py: workload A in-process, this tree's files against the versions in
+#                  the directories AB names ("ab_old" or "ab_old ab_c"), alternating, ~30 s a run
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise;
 #                  bench-0.6b-nopdl: both modes without programmatic dependent launch;
 #                  bench-0.6b-fa4: in-process with the flash_attn backend (carry .fa4)
@@ -139,6 +141,8 @@ for stage in "$@"; do
              | tail -30 ;;
     profile-32) timeout 200 python3 bench/profile_decode.py --rows 32 --prompt-len 1500 2>&1 \
              | grep -v Warning | tee "$OUT/profile-32.log" | tail -70 ;;
+    ab) timeout 560 python3 bench/ab.py ${AB:?set AB to the arm directories} \
+             --rounds "${AB_ROUNDS:-2}" --out "$OUT/ab.json" 2>&1 | tail -12 ;;
     bench-0.6b) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-nopdl) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --no-pdl --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fa4) timeout 240 python3 bench/throughput.py --model qwen3-0.6b --modes inprocess \
