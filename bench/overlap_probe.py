@@ -50,10 +50,12 @@ ROWS = [256, 192, 160, 128]
 CONTEXT = 640
 ROUNDS = 3
 
+
 def qkv_proj(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if decode_matmul_pays(x.shape[0], *w.shape, DTYPE):
         return decode_matmul(x, w)
     return F.linear(x, w)
+
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """MergedColumnParallelLinear.silu_and_mul's routing by x's rows."""
@@ -63,6 +65,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if decode_matmul_pays(n, 2 * INTERMEDIATE, HIDDEN, DTYPE, before_silu=True):
         return silu_and_mul(decode_matmul(x, w))
     return silu_and_mul(F.linear(x, w))
+
 
 def layers_of(L: Layers, lm_head: torch.Tensor, rows: slice,
               num_programs: int | None) -> Iterator[None]:
@@ -88,17 +91,18 @@ def layers_of(L: Layers, lm_head: torch.Tensor, rows: slice,
     hidden = L.norm(hidden, residual)[0]
     F.linear(hidden, lm_head)
 
+
 def step(L: Layers, lm_head: torch.Tensor, side: torch.cuda.Stream, halves: bool,
          alternate: bool, num_programs: int | None) -> None:
     """halves: two streams; alternate: each attention launch waits for the other half's last."""
-    main = torch.cuda.current_stream()
+    first = torch.cuda.current_stream()
     if not halves:
         for _ in layers_of(L, lm_head, slice(0, L.rows), num_programs):
             pass
         return
-    side.wait_stream(main)
+    side.wait_stream(first)
     half = L.rows // 2
-    parts = [(layers_of(L, lm_head, slice(0, half), num_programs), main),
+    parts = [(layers_of(L, lm_head, slice(0, half), num_programs), first),
              (layers_of(L, lm_head, slice(half, L.rows), num_programs), side)]
 
     def resume(gen: Iterator[None], stream: torch.cuda.Stream) -> None:
@@ -116,7 +120,8 @@ def step(L: Layers, lm_head: torch.Tensor, side: torch.cuda.Stream, halves: bool
             last = torch.cuda.Event()
             last.record(stream)
             resume(gen, stream)  # up to the next layer's attention, or to the end
-    main.wait_stream(side)
+    first.wait_stream(side)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
