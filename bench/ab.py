@@ -60,6 +60,16 @@ def bucket_order(name: str) -> tuple[bool, int]:
     return kind != "decode", int(rows or 0)
 
 
+def report(run: str, r: dict) -> None:
+    if "error" in r:
+        print(f"{run}: failed: {r['error'][-300:]}", flush=True)
+        return
+    buckets = sorted(r["buckets"].items(), key=lambda kv: bucket_order(kv[0]))
+    print(f"{run}: {r['tok_per_s']:,.0f} tok/s, {r['fraction']:.2%} at {r['copy_GBps']:,.0f} GB/s; "
+          "ms a step: " + " ".join(f"{k.split()[-1]} {v['ms']:.3f}" for k, v in buckets),
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("arms", nargs="+", type=pathlib.Path,
@@ -91,16 +101,6 @@ def main() -> None:
                                                     runs=runs), indent=1))
     finally:
         put(arms["B"])
-
-
-def report(run: str, r: dict) -> None:
-    if "error" in r:
-        print(f"{run}: failed: {r['error'][-300:]}", flush=True)
-        return
-    buckets = sorted(r["buckets"].items(), key=lambda kv: bucket_order(kv[0]))
-    print(f"{run}: {r['tok_per_s']:,.0f} tok/s, {r['fraction']:.2%} at {r['copy_GBps']:,.0f} GB/s; "
-          "ms a step: " + " ".join(f"{k.split()[-1]} {v['ms']:.3f}" for k, v in buckets),
-          flush=True)
 
 
 if __name__ == "__main__":
