@@ -24,6 +24,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+RUN_TIMEOUT_S = 300  # a 0.6B run takes ~30 s on the H200, an 8B one ~70
 
 
 def arm_files(arm_dirs: list[pathlib.Path]) -> dict[str, dict[str, pathlib.Path]]:
@@ -70,6 +71,21 @@ def report(run: str, r: dict) -> None:
           flush=True)
 
 
+def measure(args: argparse.Namespace, out_dir: pathlib.Path) -> dict:
+    """One in-process run of workload A with the files now in place: its summary, or its error."""
+    try:
+        done = subprocess.run(
+            [sys.executable, args.throughput, "--model", args.model, "--modes", "inprocess",
+             "--out-dir", str(out_dir)], cwd=ROOT, capture_output=True, text=True,
+            timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"no result after {RUN_TIMEOUT_S} s")
+    found = sorted(out_dir.glob("*.json"))
+    if done.returncode or not found:
+        return dict(error=(done.stdout + done.stderr)[-2000:])
+    return summary(json.loads(found[0].read_text()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("arms", nargs="+", type=pathlib.Path,
@@ -89,13 +105,7 @@ def main() -> None:
                 put(arms["B"])
                 put(files)
                 run = f"{name}{i}"
-                done = subprocess.run(
-                    [sys.executable, args.throughput, "--model", args.model, "--modes",
-                     "inprocess", "--out-dir", str(work / run)], cwd=ROOT, capture_output=True,
-                    text=True)
-                found = sorted((work / run).glob("*.json"))
-                runs[run] = (summary(json.loads(found[0].read_text())) if done.returncode == 0
-                             and found else dict(error=(done.stdout + done.stderr)[-2000:]))
+                runs[run] = measure(args, work / run)
                 report(run, runs[run])
                 args.out.write_text(json.dumps(dict(arms={k: sorted(v) for k, v in arms.items()},
                                                     runs=runs), indent=1))
