@@ -83,6 +83,7 @@ class Layers:
         self.seq_lens = torch.full((rows,), context, device="cuda", dtype=torch.int32)
         self.positions = torch.full((rows,), context - 1, device="cuda", dtype=torch.int64)
         self.splitk = False  # split-K row-parallel layers at any batch size
+        self.split_depth = None  # split-K with K // split_depth splits (None: splitk_config's)
         self.plain_gate_up = None  # "routed": gate_up on the plain GEMM (None: as the layer)
         self.slots = (self.block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)
         self.cos_sin = torch.randn(context, HEAD_DIM, device="cuda")
@@ -96,9 +97,7 @@ class Layers:
         for i in range(LAYERS):
             hidden, residual = self.norm(hidden, residual)
             if ours == "routed":
-                qkv = (decode_matmul(hidden, self.qkv[i])
-                       if decode_matmul_pays(self.rows, *self.qkv[i].shape, DTYPE)
-                       else F.linear(hidden, self.qkv[i]))
+                qkv = routed_qkv(hidden, self.qkv[i])
             elif ours:
                 qkv = decode_matmul(hidden, self.qkv[i], config=ours["qkv"])
             else:
@@ -110,7 +109,7 @@ class Layers:
                 self.cos_sin, self.k_cache, self.v_cache, self.slots)
             attn = paged_decode_attention(q, self.k_cache, self.v_cache, self.block_tables,
                                           self.seq_lens, HEAD_DIM ** -0.5, plan=plan)
-            hidden = row_parallel(attn.flatten(1), self.o[i], self.splitk)
+            hidden = self.row_parallel(attn.flatten(1), self.o[i])
             hidden, residual = self.norm(hidden, residual)
             if ours == "routed":
                 act = self.routed_gate_up(hidden, self.gate_up[i])
@@ -118,31 +117,35 @@ class Layers:
                 act = decode_matmul(hidden, self.gate_up[i], gated=True, config=ours["gate_up"])
             else:
                 act = silu_and_mul(F.linear(hidden, self.gate_up[i]))
-            hidden = row_parallel(act, self.down[i], self.splitk)
+            hidden = self.row_parallel(act, self.down[i])
         self.norm(hidden, residual)
 
     def routed_gate_up(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """What MergedColumnParallelLinear.silu_and_mul runs; plain_gate_up True or False: the
-        plain GEMM or cuBLAS wherever the gated kernel does not pay, past decode_matmul_pays's
-        bound for it (up to the plain kernel's own)."""
-        if decode_matmul_pays(self.rows, INTERMEDIATE, HIDDEN, DTYPE, gated=True):
+        """What MergedColumnParallelLinear.silu_and_mul runs for x's rows; plain_gate_up True or
+        False: the plain GEMM or cuBLAS wherever the gated kernel does not pay, past
+        decode_matmul_pays's bound for it (up to the plain kernel's own)."""
+        rows = x.shape[0]
+        if decode_matmul_pays(rows, INTERMEDIATE, HIDDEN, DTYPE, gated=True):
             return decode_matmul(x, w, gated=True)
         forced = self.plain_gate_up is not None
         if (self.plain_gate_up is not False and decode_matmul_pays(
-                self.rows, 2 * INTERMEDIATE, HIDDEN, DTYPE, before_silu=not forced)):
+                rows, 2 * INTERMEDIATE, HIDDEN, DTYPE, before_silu=not forced)):
             return silu_and_mul(decode_matmul(x, w))
         return silu_and_mul(F.linear(x, w))
 
+    def row_parallel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """What RowParallelLinear(feeds_norm=True) runs on one GPU (with splitk: split-K
+        whatever the batch size)."""
+        if self.splitk or splitk_pays(x.shape[0], *w.shape, x.dtype):
+            depth = self.split_depth
+            return splitk_matmul(x, w, config=depth and dict(SPLITS=w.shape[1] // depth))
+        return F.linear(x, w)
 
-# When set: split-K with K // SPLIT_DEPTH splits (--stages's arms), not splitk_config's count
-SPLIT_DEPTH: int | None = None
 
-
-def row_parallel(x: torch.Tensor, w: torch.Tensor, splitk: bool) -> torch.Tensor:
-    """What RowParallelLinear(feeds_norm=True) runs on one GPU (splitk: split-K whatever the
-    batch size)."""
-    if splitk or splitk_pays(x.shape[0], *w.shape, x.dtype):
-        return splitk_matmul(x, w, config=SPLIT_DEPTH and dict(SPLITS=w.shape[1] // SPLIT_DEPTH))
+def routed_qkv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What QKVParallelLinear runs for x's rows."""
+    if decode_matmul_pays(x.shape[0], *w.shape, DTYPE):
+        return decode_matmul(x, w)
     return F.linear(x, w)
 
 
@@ -259,7 +262,7 @@ def plain_gate_up(report: dict) -> None:
 
 STAGE_SHAPES = [(8, 1024), (32, 1024), (64, 1024), (128, 768)]  # (rows, keys): workload A's
 # (name, over decode_matmul's config up to SMALL_TILE_ROWS, over its wider rows' config, over
-# splitk_matmul's, SPLIT_DEPTH among them): the shipped configs came from the first sets of arms
+# splitk_matmul's, SPLIT_DEPTH among them: Layers.split_depth): the shipped configs came from the first sets of arms
 # (decode_layer_stages-dd6468b.json, -d68aadb.json: 3-8 stages, 64- or 128-deep K tiles;
 # -29a85a8.json: split-K's splits by depth). These put all of a program's K in flight in
 # the decode GEMM: narrower strips (32 columns, twice the programs) in deeper pipelines.
@@ -299,7 +302,6 @@ def long_stages(report: dict) -> None:
 def stages(report: dict) -> None:
     """The layer as it runs at STAGE_SHAPES with each of STAGE_ARMS's settings written over the
     kernels' shipped configs (restored after), two rounds, interleaved."""
-    global SPLIT_DEPTH
     from dataplane.kernels import decode_matmul as mm, splitk_matmul as sk
     shipped = [(cfg, dict(cfg)) for cfg in (mm._CONFIG, mm._WIDE_CONFIG, sk._CONFIG)]
     pdl.set_enabled(True)
@@ -311,14 +313,14 @@ def stages(report: dict) -> None:
                 mm._CONFIG.update(small_over)
                 mm._WIDE_CONFIG.update(wide_over)
                 sk_over = dict(sk_over)
-                SPLIT_DEPTH = sk_over.pop("SPLIT_DEPTH", None)
+                layers.split_depth = sk_over.pop("SPLIT_DEPTH", None)
                 sk._CONFIG.update(sk_over)
                 try:
                     result[name].append(graph_us(lambda: layers.step("routed")) / LAYERS)
                 except Exception as e:  # noqa: BLE001 - out of shared memory: a result
                     result[name].append(f"{type(e).__name__}: {e}"[:200])
                 finally:
-                    SPLIT_DEPTH = None
+                    layers.split_depth = None
                     for cfg, original in shipped:
                         cfg.clear()
                         cfg.update(original)

@@ -36,35 +36,17 @@ import torch
 import torch.nn.functional as F
 
 import run_info
-from decode_layer_probe import DTYPE, HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, \
-    Layers, randn, row_parallel
+from decode_layer_probe import HEADS, HEAD_DIM, HIDDEN, KV_HEADS, LAYERS, Layers, randn, \
+    routed_qkv
 from kernels import graph_us
 
-from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays
 from dataplane.kernels.paged_decode_attention import paged_decode_attention, plan_decode
 from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
-from dataplane.kernels.silu_and_mul import silu_and_mul
 
 VOCAB = 151936
 ROWS = [256, 192, 160, 128]
 CONTEXT = 640
 ROUNDS = 3
-
-
-def qkv_proj(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if decode_matmul_pays(x.shape[0], *w.shape, DTYPE):
-        return decode_matmul(x, w)
-    return F.linear(x, w)
-
-
-def gate_up_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """MergedColumnParallelLinear.silu_and_mul's routing by x's rows."""
-    n = x.shape[0]
-    if decode_matmul_pays(n, INTERMEDIATE, HIDDEN, DTYPE, gated=True):
-        return decode_matmul(x, w, gated=True)
-    if decode_matmul_pays(n, 2 * INTERMEDIATE, HIDDEN, DTYPE, before_silu=True):
-        return silu_and_mul(decode_matmul(x, w))
-    return silu_and_mul(F.linear(x, w))
 
 
 def layers_of(L: Layers, lm_head: torch.Tensor, rows: slice,
@@ -76,7 +58,7 @@ def layers_of(L: Layers, lm_head: torch.Tensor, rows: slice,
     hidden, residual = L.x[rows], L.residual[rows].clone()
     for i in range(LAYERS):
         hidden, residual = L.norm(hidden, residual)
-        q, k, v = qkv_proj(hidden, L.qkv[i]).split(
+        q, k, v = routed_qkv(hidden, L.qkv[i]).split(
             [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
         q = qk_norm_rope_store(
             L.positions[rows], q.view(-1, HEADS, HEAD_DIM),
@@ -86,8 +68,8 @@ def layers_of(L: Layers, lm_head: torch.Tensor, rows: slice,
         attn = paged_decode_attention(q, L.k_cache, L.v_cache, L.block_tables[rows],
                                       L.seq_lens[rows], HEAD_DIM ** -0.5, plan=plan)
         yield
-        hidden, residual = L.norm(row_parallel(attn.flatten(1), L.o[i], False), residual)
-        hidden = row_parallel(gate_up_silu(hidden, L.gate_up[i]), L.down[i], False)
+        hidden, residual = L.norm(L.row_parallel(attn.flatten(1), L.o[i]), residual)
+        hidden = L.row_parallel(L.routed_gate_up(hidden, L.gate_up[i]), L.down[i])
     hidden = L.norm(hidden, residual)[0]
     F.linear(hidden, lm_head)
 

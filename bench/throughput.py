@@ -212,9 +212,10 @@ class DeviceTimeline:
         by_kind = {"prompt": 0.0, "decode": 0.0}  # split mode's {kind}_step_device_s
         shapes = [step_shape(step) for _, _, step in self.steps]
         for (rows, tokens, context), b, g in zip(shapes, busy, gaps):
-            kind = "mixed" if tokens > rows else f"decode {min(256, -(-rows // 32) * 32)}"
-            buckets.setdefault(kind, []).append((b, g, context))
-            by_kind["prompt" if tokens > rows else "decode"] += b
+            is_prompt = tokens > rows
+            by_kind["prompt" if is_prompt else "decode"] += b
+            bucket = "mixed" if is_prompt else f"decode {min(256, -(-rows // 32) * 32)}"
+            buckets.setdefault(bucket, []).append((b, g, context))
         submits = np.diff(np.array(self.submit_times), prepend=self.submit_times[0])
         longest = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:5]
         return {"device_busy_s": sum(busy), "device_s_by_kind": by_kind,
