@@ -85,6 +85,9 @@ class Layers:
         self.splitk = False  # split-K row-parallel layers at any batch size
         self.split_depth = None  # split-K with K // split_depth splits (None: splitk_config's)
         self.plain_gate_up = None  # "routed": gate_up on the plain GEMM (None: as the layer)
+        # "routed": (x, w, gated) -> qkv_proj's or gate_up_proj + SiLU's output at any row
+        # count, over the layers' routing (None: their routing)
+        self.column_gemm = None
         self.slots = (self.block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)
         self.cos_sin = torch.randn(context, HEAD_DIM, device="cuda")
         self.q_like = torch.empty(rows, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -97,7 +100,7 @@ class Layers:
         for i in range(LAYERS):
             hidden, residual = self.norm(hidden, residual)
             if ours == "routed":
-                qkv = routed_qkv(hidden, self.qkv[i])
+                qkv = self.column(hidden, self.qkv[i], gated=False)
             elif ours:
                 qkv = decode_matmul(hidden, self.qkv[i], config=ours["qkv"])
             else:
@@ -112,13 +115,19 @@ class Layers:
             hidden = self.row_parallel(attn.flatten(1), self.o[i])
             hidden, residual = self.norm(hidden, residual)
             if ours == "routed":
-                act = self.routed_gate_up(hidden, self.gate_up[i])
+                act = self.column(hidden, self.gate_up[i], gated=True)
             elif ours:
                 act = decode_matmul(hidden, self.gate_up[i], gated=True, config=ours["gate_up"])
             else:
                 act = silu_and_mul(F.linear(hidden, self.gate_up[i]))
             hidden = self.row_parallel(act, self.down[i])
         self.norm(hidden, residual)
+
+    def column(self, x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor:
+        """qkv_proj (gated False) or gate_up_proj + SiLU: column_gemm, or the layers' routing."""
+        if self.column_gemm is not None:
+            return self.column_gemm(x, w, gated)
+        return self.routed_gate_up(x, w) if gated else routed_qkv(x, w)
 
     def routed_gate_up(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """What MergedColumnParallelLinear.silu_and_mul runs for x's rows; plain_gate_up True or
