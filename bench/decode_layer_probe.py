@@ -88,6 +88,7 @@ class Layers:
         # "routed": (x, w, gated) -> qkv_proj's or gate_up_proj + SiLU's output at any row
         # count, over the layers' routing (None: their routing)
         self.column_gemm = None
+        self.row_gemm = None  # (x, w) -> o_proj's or down_proj's output where cuBLAS runs them
         self.slots = (self.block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)
         self.cos_sin = torch.randn(context, HEAD_DIM, device="cuda")
         self.q_like = torch.empty(rows, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -148,7 +149,7 @@ class Layers:
         if self.splitk or splitk_pays(x.shape[0], *w.shape, x.dtype):
             depth = self.split_depth
             return splitk_matmul(x, w, config=depth and dict(SPLITS=w.shape[1] // depth))
-        return F.linear(x, w)
+        return F.linear(x, w) if self.row_gemm is None else self.row_gemm(x, w)
 
 
 def routed_qkv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

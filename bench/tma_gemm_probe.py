@@ -121,7 +121,7 @@ def smem_bytes(cfg: dict, gated: bool) -> int:
 
 
 SMEM_LIMIT = 220 * 1024
-ROWS = [256, 160, 192]
+ROWS = [256, 224, 192, 160]
 CONTEXT = 640
 # 4 warps (one warpgroup) up to 128-row tiles, 8 for 128 and 256; SWAP puts the weights on the
 # tensor core's wide side, as decode_matmul does for a few rows
@@ -130,7 +130,8 @@ CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, SWAP=swap, num_stages=s, num_wa
                (64, 128, 256), (32, 64, 128), (64, 128), (3, 4), (4, 8), (False, True))
            if (w == 4) == (m < 256) or (m == 128 and not swap)
            if not swap or (m < 256 and n >= 64)]
-SHAPES = {"qkv": (4096, 1024, False), "gate_up": (6144, 1024, True)}  # (N, K, gated)
+SHAPES = {"qkv": (4096, 1024, False), "gate_up": (6144, 1024, True),
+          "o": (1024, 2048, False), "down": (1024, 3072, False)}  # (N, K, gated)
 
 
 def check(on_cpu: bool) -> None:
@@ -191,22 +192,29 @@ def alone(rows: int, name: str, weights: list[torch.Tensor], x: torch.Tensor) ->
 
 
 def layer(rows: int, best: dict[str, dict]) -> dict[str, list]:
-    """The layer as it runs against qkv/gate_up on the TMA kernel (without and with PDL at
-    every launch); two rounds, interleaved."""
+    """The layer as it runs against qkv/gate_up on the TMA kernel ("tma"), also o/down
+    ("tma4"), each also with PDL at every launch ("_pdl"); two rounds, interleaved."""
     from decode_layer_probe import LAYERS, Layers
     from kernels import graph_us
     layers = Layers(rows, CONTEXT)
-
-    def ours(x, w, gated):
-        cfg = best["gate_up" if gated else "qkv"]
-        return tma_matmul(x, w, gated, cfg, use_pdl=pdl.launch_options(x.device, rows)["USE_PDL"])
-
-    result = {"shipped": [], "tma": [], "tma_pdl_all": []}
     default_max_rows = pdl.MAX_ROWS
+
+    def on_tma(x, w, name, gated=False):
+        return tma_matmul(x, w, gated, best[name],
+                          use_pdl=pdl.launch_options(x.device, rows)["USE_PDL"])
+
+    def column(x, w, gated):
+        return on_tma(x, w, "gate_up" if gated else "qkv", gated)
+
+    def row(x, w):
+        return on_tma(x, w, "o" if w.shape[1] == SHAPES["o"][1] else "down")
+
+    result = {arm: [] for arm in ("shipped", "tma", "tma_pdl", "tma4", "tma4_pdl")}
     for _ in range(2):
         for arm in result:
-            layers.column_gemm = None if arm == "shipped" else ours
-            pdl.MAX_ROWS = 1 << 30 if arm == "tma_pdl_all" else default_max_rows
+            layers.column_gemm = None if arm == "shipped" else column
+            layers.row_gemm = row if arm.startswith("tma4") else None
+            pdl.MAX_ROWS = 1 << 30 if arm.endswith("_pdl") else default_max_rows
             try:
                 result[arm].append(graph_us(lambda: layers.step("routed")) / LAYERS)
             finally:
@@ -227,11 +235,10 @@ def main() -> None:
     pdl.set_enabled(True)
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(), shapes=[])
     for rows in ROWS:
-        x = randn(rows, 1024)
         entry = dict(rows=rows, alone={})
         for name, (n, k, _) in SHAPES.items():
             weights = [randn(n, k, scale=k ** -0.5) for _ in range(LAYERS)]
-            entry["alone"][name] = alone(rows, name, weights, x)
+            entry["alone"][name] = alone(rows, name, weights, randn(rows, k))
         best = {name: {k: v for k, v in r["best"].items()
                        if k not in ("us", "max_abs_diff", "pdl")}
                 for name, r in entry["alone"].items()}
