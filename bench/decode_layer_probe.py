@@ -38,6 +38,7 @@ from dataplane.kernels.paged_decode_attention import paged_decode_attention, pla
 from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
 from dataplane.kernels.silu_and_mul import silu_and_mul
 from dataplane.kernels.splitk_matmul import splitk_matmul, splitk_pays
+from dataplane.kernels.tma_matmul import tma_matmul, tma_matmul_pays
 from dataplane.layers.layernorm import RMSNorm
 
 LAYERS = 28
@@ -88,7 +89,6 @@ class Layers:
         # "routed": (x, w, gated) -> qkv_proj's or gate_up_proj + SiLU's output at any row
         # count, over the layers' routing (None: their routing)
         self.column_gemm = None
-        self.row_gemm = None  # (x, w) -> o_proj's or down_proj's output where cuBLAS runs them
         self.slots = (self.block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1)
         self.cos_sin = torch.randn(context, HEAD_DIM, device="cuda")
         self.q_like = torch.empty(rows, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -132,11 +132,13 @@ class Layers:
 
     def routed_gate_up(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """What MergedColumnParallelLinear.silu_and_mul runs for x's rows; plain_gate_up True or
-        False: the plain GEMM or cuBLAS wherever the gated kernel does not pay, past
+        False: the plain GEMM or cuBLAS wherever the gated kernels do not pay, past
         decode_matmul_pays's bound for it (up to the plain kernel's own)."""
         rows = x.shape[0]
         if decode_matmul_pays(rows, INTERMEDIATE, HIDDEN, DTYPE, gated=True):
             return decode_matmul(x, w, gated=True)
+        if tma_matmul_pays(x, INTERMEDIATE, HIDDEN, gated=True):
+            return tma_matmul(x, w, gated=True)
         forced = self.plain_gate_up is not None
         if (self.plain_gate_up is not False and decode_matmul_pays(
                 rows, 2 * INTERMEDIATE, HIDDEN, DTYPE, before_silu=not forced)):
@@ -149,13 +151,15 @@ class Layers:
         if self.splitk or splitk_pays(x.shape[0], *w.shape, x.dtype):
             depth = self.split_depth
             return splitk_matmul(x, w, config=depth and dict(SPLITS=w.shape[1] // depth))
-        return F.linear(x, w) if self.row_gemm is None else self.row_gemm(x, w)
+        return F.linear(x, w)
 
 
 def routed_qkv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """What QKVParallelLinear runs for x's rows."""
     if decode_matmul_pays(x.shape[0], *w.shape, DTYPE):
         return decode_matmul(x, w)
+    if tma_matmul_pays(x, *w.shape):
+        return tma_matmul(x, w)
     return F.linear(x, w)
 
 

@@ -26,7 +26,9 @@
 #   gemm-tiles     decode_matmul tiles at 64-256 rows, split-K tiles at 160-256 (the probes' --sweep)
 #   gemm-stages    the layer as it runs at 8-128 rows with deeper pipelines in our GEMMs, and at
 #                  160-256 rows with split-K at 3-5 stages
-#   gemm-tests     the decode GEMM, split-K, elementwise and decode attention kernels' tests
+#   tma-gemm       the TMA GEMM's tiles against cuBLAS at 160-256 rows, alone and in the layer;
+#                  tma-layer: only the layer as it runs against cuBLAS's qkv/gate_up, 160-256 rows
+#   gemm-tests     the decode GEMM, TMA GEMM, split-K, elementwise and decode attention kernels' tests
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   ab             bench/ab.py: workload A in-process, this tree's files against the versions in
 #                  the directories AB names ("ab_old" or "ab_old ab_c"), alternating, ~30 s a run
@@ -126,13 +128,18 @@ for stage in "$@"; do
              --stages 2>&1 | grep -v Warning | tail -6
            timeout 300 python3 bench/decode_layer_probe.py "$OUT/decode_layer_long_stages.json" \
              --long-stages 2>&1 | grep -v Warning | tail -4 ;;
+    tma-gemm) timeout 400 python3 bench/tma_gemm_probe.py "$OUT/tma_gemm.json" 2>&1 \
+             | grep -v Warning | tail -12 ;;
+    tma-layer) timeout 200 python3 bench/tma_gemm_probe.py "$OUT/tma_layer.json" --layer 2>&1 \
+             | grep -v Warning | tail -8 ;;
     gemm-tiles) timeout 280 python3 bench/decode_layer_probe.py "$OUT/decode_layer_sweep.json" \
              --sweep 2>&1 | grep -v Warning | tail -12
            timeout 280 python3 bench/splitk_probe.py "$OUT/splitk_sweep.json" --sweep 2>&1 \
              | grep -v Warning | tail -8 ;;
     gemm-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/kernels/test_decode_matmul.py \
-             tests/dataplane/kernels/test_splitk_matmul.py tests/dataplane/kernels/test_elementwise.py \
+             tests/dataplane/kernels/test_tma_matmul.py tests/dataplane/kernels/test_splitk_matmul.py \
+             tests/dataplane/kernels/test_elementwise.py \
              tests/dataplane/kernels/test_paged_decode_attention.py > "$OUT/gemm-tests.log" 2>&1
            grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/gemm-tests.log" | tail -30 ;;
     splitk) timeout 300 python3 bench/splitk_probe.py "$OUT/splitk.json" 2>&1 | grep -v Warning \

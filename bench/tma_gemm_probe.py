@@ -1,110 +1,32 @@
-"""Can a GEMM of ours that loads its tiles through the Tensor Memory Accelerator (TMA) beat
-cuBLAS for qkv_proj and gate_up_proj at workload A's large decode batches (129-256 rows)?
-
-Why: at 256 rows cuBLAS runs qkv_proj in 6.2 us and gate_up_proj + silu_and_mul in 9.6
-(decode_layer_sweep-2a21cfb.json) for ~2.2 and ~3.3 us of tensor-core work and 2-3 us of
-weights; the decode steps of 129-256 rows spend ~1.2 ms a step over their bytes, the GEMMs most
-of it. decode_matmul.py (pointer loads, cp.async) lost there in every tile of the fourteenth
-session's sweep (7.65 and 11.1 us at 256 rows). This kernel loads both operands through TMA
-descriptors (the hardware's bulk copies, out-of-bounds rows zero-filled: no masks), stores
-through one, and can take the gated SiLU-and-mul epilogue, so gate_up_proj needs no second
-launch. The kernel lives here until it wins; then it moves to dataplane/kernels/.
+"""dataplane/kernels/tma_matmul.py (a GEMM that loads and stores through TMA descriptors, SiLU
+in the gated epilogue) against cuBLAS for qkv_proj and gate_up_proj at workload A's large decode
+batches. The kernel began here (a24f54a, 8efbae0: it also held a variant with the weights on the
+tensor core's wide side, which tied, and o_proj / down_proj on it, which lost in the layer).
 
 1. Each GEMM alone, 28 launches with distinct weights in a CUDA graph, at ROWS: cuBLAS
    (+ silu_and_mul) against every config of CONFIGS, the three fastest again with PDL, each
    checked against cuBLAS's result.
-2. The layer as it runs (decode_layer_probe's Layers, 640-key contexts) against the same layer
-   with qkv_proj and gate_up_proj on this kernel at each GEMM's best config from 1.; with PDL at
-   every launch as a third arm. Two rounds, interleaved.
+2. The layer as it runs (decode_layer_probe's Layers with the shipped routing, 640-key
+   contexts), against the same layer with cuBLAS for qkv_proj and gate_up_proj, and with PDL at
+   every launch. Two rounds, interleaved.
 
 `python3 bench/tma_gemm_probe.py $OUT/tma_gemm.json` (PYTHONPATH: the repo and bench/);
-`--check` runs only a correctness check of every config on small shapes (CPU with
+`--layer` runs only 2., at LAYER_ROWS (at 160 and 176 rows the shipped routing is cuBLAS's:
+there the arms show the probe's noise); `--check` runs only a correctness check of every config on small shapes (CPU with
 TRITON_INTERPRET=1 too).
 """
 
+import contextlib
 import itertools
 import json
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dataplane.kernels import pdl
-from dataplane.kernels.pdl import prefetch_args, prefetch_rows, wait_for_inputs
-
-
-@triton.jit
-def _tma_matmul_kernel(
-    x_desc, w_desc, out_desc, w_ptr,
-    K: tl.constexpr, UP_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SWAP: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ELEMS_PER_LINE: tl.constexpr, NUM_LINES_POW2: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # row tiles vary fastest: a strip's row tiles run together and share its weights in the L2
-    off_m = tl.program_id(0) * BLOCK_M
-    off_n = tl.program_id(1) * BLOCK_N
-    gated = UP_OFFSET > 0
-    if USE_PDL and tl.program_id(0) == 0:
-        cols = off_n + tl.arange(0, BLOCK_N)
-        prefetch_rows(w_ptr, cols, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
-        if gated:
-            prefetch_rows(w_ptr, cols + UP_OFFSET, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
-    wait_for_inputs(USE_PDL)
-    if SWAP:  # weights on the tensor core's wide side: [BLOCK_N, BLOCK_M]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        x = x_desc.load([off_m, k])  # [BLOCK_M, BLOCK_K]
-        w = w_desc.load([off_n, k])  # [BLOCK_N, BLOCK_K]
-        if SWAP:
-            acc = tl.dot(w, x.T, acc)
-        else:
-            acc = tl.dot(x, w.T, acc)
-        if gated:
-            up = w_desc.load([off_n + UP_OFFSET, k])
-            if SWAP:
-                acc_up = tl.dot(up, x.T, acc_up)
-            else:
-                acc_up = tl.dot(x, up.T, acc_up)
-    dtype = out_desc.dtype
-    if gated:  # decode_matmul.py's rounding: what cuBLAS + silu_and_mul compute
-        gate = acc.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = silu * acc_up.to(dtype).to(tl.float32)
-    if SWAP:
-        acc = acc.T
-    out_desc.store([off_m, off_n], acc.to(dtype))
-
-
-def tma_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool, cfg: dict,
-               use_pdl: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [num_rows, K] (rows may be strided, 16-byte aligned), w: [N, K] contiguous. Returns
-    x @ w.T [num_rows, N], or gated silu(x @ w[:N/2].T) * (x @ w[N/2:].T) [num_rows, N/2].
-    cfg: BLOCK_M, BLOCK_N, BLOCK_K, SWAP, num_stages, num_warps."""
-    num_rows, k = x.shape
-    n = w.shape[0]
-    width = n // 2 if gated else n
-    assert w.shape == (n, k) and w.is_contiguous() and x.stride(1) == 1 and x.dtype == w.dtype
-    assert k % cfg["BLOCK_K"] == 0 and width % cfg["BLOCK_N"] == 0, (k, width, cfg)
-    if out is None:
-        out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    x_desc = TensorDescriptor(x, [num_rows, k], [x.stride(0), 1], [bm, bk])
-    w_desc = TensorDescriptor(w, [n, k], [k, 1], [bn, bk])
-    out_desc = TensorDescriptor(out, [num_rows, width], [out.stride(0), 1], [bm, bn])
-    grid = (triton.cdiv(num_rows, bm), width // bn)
-    options = {"USE_PDL": True, "launch_pdl": True} if use_pdl else {"USE_PDL": False}
-    _tma_matmul_kernel[grid](
-        x_desc, w_desc, out_desc, w, K=k, UP_OFFSET=width if gated else 0, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, SWAP=cfg["SWAP"], NUM_STAGES=cfg["num_stages"],
-        num_warps=cfg["num_warps"], **prefetch_args(w, k), **options)
-    return out
+from dataplane.kernels.tma_matmul import tma_matmul
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor:
@@ -122,16 +44,14 @@ def smem_bytes(cfg: dict, gated: bool) -> int:
 
 SMEM_LIMIT = 220 * 1024
 ROWS = [256, 224, 192, 160]
+LAYER_ROWS = [160, 176, 192, 208, 224, 240, 256]  # workload A's decode graph sizes there
 CONTEXT = 640
-# 4 warps (one warpgroup) up to 128-row tiles, 8 for 128 and 256; SWAP puts the weights on the
-# tensor core's wide side, as decode_matmul does for a few rows
-CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, SWAP=swap, num_stages=s, num_warps=w)
-           for m, n, k, s, w, swap in itertools.product(
-               (64, 128, 256), (32, 64, 128), (64, 128), (3, 4), (4, 8), (False, True))
-           if (w == 4) == (m < 256) or (m == 128 and not swap)
-           if not swap or (m < 256 and n >= 64)]
-SHAPES = {"qkv": (4096, 1024, False), "gate_up": (6144, 1024, True),
-          "o": (1024, 2048, False), "down": (1024, 3072, False)}  # (N, K, gated)
+# 4 warps (one warpgroup) up to 128-row tiles, 8 for 128 and 256
+CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_stages=s, num_warps=w)
+           for m, n, k, s, w in itertools.product((64, 128, 256), (32, 64, 128), (64, 128),
+                                                  (3, 4), (4, 8))
+           if (w == 4) == (m < 256) or m == 128]
+SHAPES = {"qkv": (4096, 1024, False), "gate_up": (6144, 1024, True)}  # (N, K, gated)
 
 
 def check(on_cpu: bool) -> None:
@@ -171,7 +91,8 @@ def alone(rows: int, name: str, weights: list[torch.Tensor], x: torch.Tensor) ->
         entry = dict(cfg, pdl=use_pdl)
         try:
             diff = (tma_matmul(x, weights[0], gated, cfg).float() - expected).abs().max().item()
-            us = graph_us(lambda: [tma_matmul(x, w, gated, cfg, use_pdl) for w in weights])
+            with pdl_at_every_launch(use_pdl):
+                us = graph_us(lambda: [tma_matmul(x, w, gated, cfg) for w in weights])
             return entry | dict(us=us / len(weights), max_abs_diff=diff)
         except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
             return entry | dict(error=f"{type(e).__name__}: {e}"[:200])
@@ -184,41 +105,41 @@ def alone(rows: int, name: str, weights: list[torch.Tensor], x: torch.Tensor) ->
     ok = sorted((c for c in result["configs"] if "us" in c), key=lambda c: c["us"])
     result["best"] = ok[0]
     top = "; ".join(f"{c['us']:.2f} m{c['BLOCK_M']} n{c['BLOCK_N']} k{c['BLOCK_K']} "
-                    f"s{c['num_stages']} w{c['num_warps']}{' swap' if c['SWAP'] else ''}"
+                    f"s{c['num_stages']} w{c['num_warps']}"
                     f"{' pdl' if c['pdl'] else ''} (diff {c['max_abs_diff']:.1e})"
                     for c in ok[:3])
     print(f"{rows:3d} rows {name:7s}: cuBLAS {result['cublas_us']:.2f} us; TMA {top}", flush=True)
     return result
 
 
-def layer(rows: int, best: dict[str, dict]) -> dict[str, list]:
-    """The layer as it runs against qkv/gate_up on the TMA kernel ("tma"), also o/down
-    ("tma4"), each also with PDL at every launch ("_pdl"); two rounds, interleaved."""
+@contextlib.contextmanager
+def pdl_at_every_launch(on: bool = True) -> Iterator[None]:
+    """PDL for launches of any row count while inside (pdl.MAX_ROWS lifted)."""
+    default_max_rows = pdl.MAX_ROWS
+    pdl.MAX_ROWS = 1 << 30 if on else default_max_rows
+    try:
+        yield
+    finally:
+        pdl.MAX_ROWS = default_max_rows
+
+
+def cublas_column(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor:
+    from dataplane.kernels.silu_and_mul import silu_and_mul
+    return silu_and_mul(F.linear(x, w)) if gated else F.linear(x, w)
+
+
+def layer(rows: int) -> dict[str, list]:
+    """The layer as it runs (the shipped routing), with cuBLAS for qkv_proj and gate_up_proj,
+    and as it runs with PDL at every launch; two rounds, interleaved."""
     from decode_layer_probe import LAYERS, Layers
     from kernels import graph_us
     layers = Layers(rows, CONTEXT)
-    default_max_rows = pdl.MAX_ROWS
-
-    def on_tma(x, w, name, gated=False):
-        return tma_matmul(x, w, gated, best[name],
-                          use_pdl=pdl.launch_options(x.device, rows)["USE_PDL"])
-
-    def column(x, w, gated):
-        return on_tma(x, w, "gate_up" if gated else "qkv", gated)
-
-    def row(x, w):
-        return on_tma(x, w, "o" if w.shape[1] == SHAPES["o"][1] else "down")
-
-    result = {arm: [] for arm in ("shipped", "tma", "tma_pdl", "tma4", "tma4_pdl")}
+    result = {arm: [] for arm in ("shipped", "cublas", "shipped_pdl_all")}
     for _ in range(2):
         for arm in result:
-            layers.column_gemm = None if arm == "shipped" else column
-            layers.row_gemm = row if arm.startswith("tma4") else None
-            pdl.MAX_ROWS = 1 << 30 if arm.endswith("_pdl") else default_max_rows
-            try:
+            layers.column_gemm = cublas_column if arm == "cublas" else None
+            with pdl_at_every_launch(arm.endswith("_pdl_all")):
                 result[arm].append(graph_us(lambda: layers.step("routed")) / LAYERS)
-            finally:
-                pdl.MAX_ROWS = default_max_rows
     print(f"{rows:3d} rows of {CONTEXT} keys, layer us: " + "; ".join(
         f"{arm} " + " ".join(f"{us:.2f}" for us in runs) for arm, runs in result.items()),
         flush=True)
@@ -234,15 +155,18 @@ def main() -> None:
     torch.manual_seed(0)
     pdl.set_enabled(True)
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(), shapes=[])
+    if "--layer" in sys.argv:
+        for rows in LAYER_ROWS:
+            report["shapes"].append(dict(rows=rows, layer_us=layer(rows)))
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
+        return
     for rows in ROWS:
         entry = dict(rows=rows, alone={})
         for name, (n, k, _) in SHAPES.items():
             weights = [randn(n, k, scale=k ** -0.5) for _ in range(LAYERS)]
             entry["alone"][name] = alone(rows, name, weights, randn(rows, k))
-        best = {name: {k: v for k, v in r["best"].items()
-                       if k not in ("us", "max_abs_diff", "pdl")}
-                for name, r in entry["alone"].items()}
-        entry["layer_us"] = layer(rows, best)
+        entry["layer_us"] = layer(rows)
         report["shapes"].append(entry)
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)

@@ -23,6 +23,15 @@ import triton.language as tl
 from dataplane.kernels.pdl import launch_options, prefetch_args, prefetch_rows, wait_for_inputs
 
 
+@triton.jit
+def silu_and_mul_rounded(gate_acc, up_acc, dtype: tl.constexpr):
+    """The gated epilogue from float32 sums, rounded as cuBLAS + silu_and_mul.py round (see
+    the module docstring); shared with tma_matmul.py."""
+    gate = gate_acc.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return silu * up_acc.to(dtype).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _decode_matmul_kernel(
     x_ptr, w_ptr, out_ptr, num_rows, stride_x_row, stride_out_row,
@@ -53,9 +62,7 @@ def _decode_matmul_kernel(
                             input_precision=DOT_PRECISION)
     dtype = out_ptr.dtype.element_ty
     if gated:
-        gate = acc.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = silu * acc_up.to(dtype).to(tl.float32)
+        acc = silu_and_mul_rounded(acc, acc_up, dtype)
     dst = out_ptr + rows[None, :].to(tl.int64) * stride_out_row + cols[:, None]
     tl.store(dst, acc.to(dtype), mask=row_mask[None, :])
 

@@ -54,18 +54,22 @@ class ReplicatedLinear(_Linear):
 
 def _decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    gated: bool, before_silu: bool = False) -> torch.Tensor | None:
-    """The decode GEMM's output where it pays (a CUDA batch of decode size, no bias), else
-    None (kernels/decode_matmul.py: cuBLAS's floor there is ~2x the weights' bytes).
+    """One of our GEMMs' output where it pays (a CUDA batch of decode size, no bias), else
+    None: the decode GEMM up to its bounds (kernels/decode_matmul.py: cuBLAS's floor there is ~2x
+    the weights' bytes), the TMA GEMM at 177-256 rows (kernels/tma_matmul.py).
     before_silu: plain, for a separate SiLU-and-mul (decode_matmul_pays)."""
     if not x.is_cuda or bias is not None or x.dim() != 2 or x.stride(1) != 1 \
             or x.dtype != weight.dtype:
         return None
     from dataplane.kernels.decode_matmul import decode_matmul, decode_matmul_pays
+    from dataplane.kernels.tma_matmul import tma_matmul, tma_matmul_pays
     n, k = weight.shape
-    if not decode_matmul_pays(x.shape[0], n // 2 if gated else n, k, x.dtype, gated,
-                              before_silu):
-        return None
-    return decode_matmul(x, weight, gated=gated)
+    width = n // 2 if gated else n
+    if decode_matmul_pays(x.shape[0], width, k, x.dtype, gated, before_silu):
+        return decode_matmul(x, weight, gated=gated)
+    if not before_silu and tma_matmul_pays(x, width, k, gated):
+        return tma_matmul(x, weight, gated=gated)
+    return None
 
 
 class ColumnParallelLinear(_Linear):
@@ -95,9 +99,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] projection: [num_tokens, output_sizes[0] / tp].
-        At small decode sizes on CUDA the activation is the GEMM's epilogue; else a kernel
-        after the GEMM, which up to decode_matmul.MAX_ROWS_PLAIN_MLP is ours too, so that PDL
-        chains it with the norm before and the activation after."""
+        On CUDA at small decode sizes and at 177-256 rows the activation is the GEMM's
+        epilogue; else a kernel after the GEMM, which up to decode_matmul.MAX_ROWS_PLAIN_MLP is
+        ours too, so that PDL chains it with the norm before and the activation after."""
         assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
         y = _decode_matmul(x, self.weight, self.bias, gated=True)
         if y is not None:

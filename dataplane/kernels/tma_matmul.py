@@ -1,0 +1,113 @@
+"""y = x @ w.T for decode steps of 177-256 rows, for the column-parallel layers (qkv_proj,
+gate_up_proj), optionally with SiLU-and-mul in the epilogue (decode_matmul.py's gated form).
+Hopper and later: both operands arrive through the Tensor Memory Accelerator (TMA), the
+hardware's bulk copies into shared memory, and the output leaves through it.
+
+Why: at these sizes cuBLAS runs Qwen3-0.6B's qkv_proj in ~5.8 us and gate_up_proj +
+silu_and_mul in ~9.7 (bench/results/h200/tma_gemm-8efbae0.json) for ~2.2 and ~3.3 us of
+tensor-core work, and decode_matmul.py's pointer loads lost to it there in every tile tried.
+With TMA the loads need no address arithmetic or masks (rows past the batch read as zeros, and
+their outputs are never stored), and the gated epilogue saves silu_and_mul's launch and its
+round trip through memory. Each program owns a BLOCK_M x BLOCK_N output tile; the row tiles of a
+strip are neighbours in the grid, so they run together and share its weights in the L2.
+
+The reference is decode_matmul.decode_matmul_ref (cuBLAS, then SiLU-and-mul if gated), whose
+rounding the epilogue follows.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from dataplane.kernels.decode_matmul import MAX_K, silu_and_mul_rounded
+from dataplane.kernels.pdl import launch_options, prefetch_args, prefetch_rows, wait_for_inputs
+
+
+@triton.jit
+def _tma_matmul_kernel(
+    x_desc, w_desc, out_desc, w_ptr,
+    K: tl.constexpr, UP_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ELEMS_PER_LINE: tl.constexpr,
+    NUM_LINES_POW2: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    off_m = tl.program_id(0) * BLOCK_M
+    off_n = tl.program_id(1) * BLOCK_N
+    gated = UP_OFFSET > 0  # UP_OFFSET: the up rows' first row in w (gate's are the first)
+    if USE_PDL and tl.program_id(0) == 0:  # the weights are no kernel's output
+        cols = off_n + tl.arange(0, BLOCK_N)
+        prefetch_rows(w_ptr, cols, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
+        if gated:
+            prefetch_rows(w_ptr, cols + UP_OFFSET, K, 0, K, ELEMS_PER_LINE, NUM_LINES_POW2)
+    wait_for_inputs(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        x = x_desc.load([off_m, k])  # [BLOCK_M, BLOCK_K]
+        acc = tl.dot(x, w_desc.load([off_n, k]).T, acc)  # w tile: [BLOCK_N, BLOCK_K]
+        if gated:
+            acc_up = tl.dot(x, w_desc.load([off_n + UP_OFFSET, k]).T, acc_up)
+    dtype = out_desc.dtype
+    if gated:
+        acc = silu_and_mul_rounded(acc, acc_up, dtype)
+    out_desc.store([off_m, off_n], acc.to(dtype))
+
+
+# Bounds and tiles: bench/tma_gemm_probe.py on the H200 (tma_gemm-a24f54a.json,
+# tma_gemm-8efbae0.json; us a Qwen3-0.6B layer as it runs, 28 layers in a CUDA graph, 640-key
+# contexts): qkv_proj and gate_up_proj on this kernel took 1.6, 2.0 and 1.3 us off the layer at
+# 256, 224 and 192 rows, and added 0.8 at 160 (cuBLAS + silu_and_mul stay there). o_proj and
+# down_proj on it were faster alone but slower in the layer (they stay on cuBLAS). Tiles: each
+# GEMM's best alone at 192-256 rows; 64-row tiles (one warpgroup) beat 128 and 256.
+MIN_ROWS = 177  # 176 runs in three 64-row tiles like 192, but cuBLAS is faster at fewer rows
+MAX_ROWS = 256  # the largest measured
+_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_stages=4, num_warps=4)
+_GATED_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4, num_warps=4)
+
+
+def tma_matmul_config(gated: bool) -> dict:
+    """The kernel settings (shared: copy before changing)."""
+    return _GATED_CONFIG if gated else _CONFIG
+
+
+def tma_matmul_pays(x: torch.Tensor, n: int, k: int, gated: bool = False) -> bool:
+    """Whether tma_matmul beats cuBLAS (and a separate SiLU-and-mul) for x [num_rows, k] @ a
+    weight of n output columns (gated: the width of gate alone), and TMA can read x: a CUDA
+    device of compute capability 9 or later, 16-bit floats, 16-byte aligned rows."""
+    cfg = tma_matmul_config(gated)
+    return (MIN_ROWS <= x.shape[0] <= MAX_ROWS and k <= MAX_K
+            and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+            and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
+            and n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0)
+
+
+def tma_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
+               config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [num_rows, K] (rows may be strided), w: [N, K] contiguous, both bf16 or fp16. Returns
+    x @ w.T [num_rows, N], or with gated silu(x @ w[:N/2].T) * (x @ w[N/2:].T) [num_rows, N/2].
+    config: over tma_matmul_config's choice (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
+    num_warps)."""
+    num_rows, k = x.shape
+    n = w.shape[0]
+    assert w.shape == (n, k) and w.is_contiguous() and x.stride(1) == 1 and x.dtype == w.dtype
+    assert x.dtype in (torch.bfloat16, torch.float16), x.dtype
+    width = n // 2 if gated else n
+    assert not gated or n % 2 == 0
+    cfg = tma_matmul_config(gated) | (config or {})
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    assert k % bk == 0 and width % bn == 0, (k, width, cfg)
+    if out is None:
+        out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)
+    assert out.shape == (num_rows, width) and out.dtype == x.dtype and out.stride(1) == 1
+    if num_rows == 0:
+        return out
+    x_desc = TensorDescriptor(x, [num_rows, k], [x.stride(0), 1], [bm, bk])
+    w_desc = TensorDescriptor(w, [n, k], [k, 1], [bn, bk])
+    out_desc = TensorDescriptor(out, [num_rows, width], [out.stride(0), 1], [bm, bn])
+    grid = (triton.cdiv(num_rows, bm), width // bn)
+    _tma_matmul_kernel[grid](
+        x_desc, w_desc, out_desc, w, K=k, UP_OFFSET=width if gated else 0, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
+        **prefetch_args(w, k), **launch_options(x.device, num_rows))
+    return out
