@@ -27,7 +27,8 @@
 #   gemm-stages    the layer as it runs at 8-128 rows with deeper pipelines in our GEMMs, and at
 #                  160-256 rows with split-K at 3-5 stages
 #   tma-gemm       the TMA GEMM's tiles against cuBLAS at 160-256 rows, alone and in the layer;
-#                  tma-layer: only the layer as it runs against cuBLAS's qkv/gate_up, 160-256 rows
+#                  tma-layer: only the layer as it runs against cuBLAS's qkv/gate_up, 160-256 rows;
+#                  tma-gate-up: gate_up + SiLU on it at 64-128 rows, alone and in the layer
 #   gemm-tests     the decode GEMM, TMA GEMM, split-K, elementwise and decode attention kernels' tests
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   ab             bench/ab.py: workload A in-process, this tree's files against the versions in
@@ -132,6 +133,8 @@ for stage in "$@"; do
              | grep -v Warning | tail -12 ;;
     tma-layer) timeout 200 python3 bench/tma_gemm_probe.py "$OUT/tma_layer.json" --layer 2>&1 \
              | grep -v Warning | tail -8 ;;
+    tma-gate-up) timeout 300 python3 bench/tma_gemm_probe.py "$OUT/tma_gate_up.json" --gate-up \
+             2>&1 | grep -v Warning | tail -8 ;;
     gemm-tiles) timeout 280 python3 bench/decode_layer_probe.py "$OUT/decode_layer_sweep.json" \
              --sweep 2>&1 | grep -v Warning | tail -12
            timeout 280 python3 bench/splitk_probe.py "$OUT/splitk_sweep.json" --sweep 2>&1 \

@@ -12,7 +12,8 @@ tensor core's wide side, which tied, and o_proj / down_proj on it, which lost in
 
 `python3 bench/tma_gemm_probe.py $OUT/tma_gemm.json` (PYTHONPATH: the repo and bench/);
 `--layer` runs only 2., at LAYER_ROWS (at 160 and 176 rows the shipped routing is cuBLAS's:
-there the arms show the probe's noise); `--check` runs only a correctness check of every config on small shapes (CPU with
+there the arms show the probe's noise); `--gate-up`: gate_up_proj + SiLU on it at 64-128 rows,
+alone and in the layer as it runs; `--check` runs only a correctness check of every config on small shapes (CPU with
 TRITON_INTERPRET=1 too).
 """
 
@@ -20,7 +21,7 @@ import contextlib
 import itertools
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,8 @@ def check(on_cpu: bool) -> None:
     print(f"check: {len(configs)} configs within 0.05 of the reference", flush=True)
 
 
-def alone(rows: int, name: str, weights: list[torch.Tensor], x: torch.Tensor) -> dict:
+def alone(rows: int, name: str, weights: list[torch.Tensor], x: torch.Tensor,
+          configs: list[dict] = CONFIGS) -> dict:
     """One GEMM 28 times in a graph: cuBLAS, then each config that fits the shared memory, then
     the three fastest with PDL; each config's largest difference from cuBLAS's result."""
     from kernels import graph_us
@@ -98,7 +100,7 @@ def alone(rows: int, name: str, weights: list[torch.Tensor], x: torch.Tensor) ->
             return entry | dict(error=f"{type(e).__name__}: {e}"[:200])
 
     result = dict(cublas_us=graph_us(cublas) / len(weights), configs=[])
-    fitting = [cfg for cfg in CONFIGS if smem_bytes(cfg, gated) <= SMEM_LIMIT]
+    fitting = [cfg for cfg in configs if smem_bytes(cfg, gated) <= SMEM_LIMIT]
     result["configs"] = [timed(cfg, False) for cfg in fitting]
     fastest = sorted((c for c in result["configs"] if "us" in c), key=lambda c: c["us"])[:3]
     result["configs"] += [timed({k: c[k] for k in CONFIGS[0]}, True) for c in fastest]
@@ -128,22 +130,48 @@ def cublas_column(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor
     return silu_and_mul(F.linear(x, w)) if gated else F.linear(x, w)
 
 
-def layer(rows: int) -> dict[str, list]:
-    """The layer as it runs (the shipped routing), with cuBLAS for qkv_proj and gate_up_proj,
-    and as it runs with PDL at every launch; two rounds, interleaved."""
+def layer(rows: int, arms: dict[str, Callable | None], context: int = CONTEXT
+          ) -> dict[str, list]:
+    """The layer as it runs with each arm's column_gemm (None: the shipped routing; an arm
+    named *_pdl_all: PDL at every launch); two rounds, interleaved."""
     from decode_layer_probe import LAYERS, Layers
     from kernels import graph_us
-    layers = Layers(rows, CONTEXT)
-    result = {arm: [] for arm in ("shipped", "cublas", "shipped_pdl_all")}
+    layers = Layers(rows, context)
+    result = {arm: [] for arm in arms}
     for _ in range(2):
-        for arm in result:
-            layers.column_gemm = cublas_column if arm == "cublas" else None
+        for arm, column_gemm in arms.items():
+            layers.column_gemm = column_gemm
             with pdl_at_every_launch(arm.endswith("_pdl_all")):
                 result[arm].append(graph_us(lambda: layers.step("routed")) / LAYERS)
-    print(f"{rows:3d} rows of {CONTEXT} keys, layer us: " + "; ".join(
+    print(f"{rows:3d} rows of {context} keys, layer us: " + "; ".join(
         f"{arm} " + " ".join(f"{us:.2f}" for us in runs) for arm, runs in result.items()),
         flush=True)
     return result
+
+
+LARGE_ARMS = {"shipped": None, "cublas": cublas_column, "shipped_pdl_all": None}
+
+
+def small_gate_up(report: dict) -> None:
+    """gate_up_proj + SiLU on the TMA GEMM at GATE_UP_SHAPES, where cuBLAS + silu_and_mul run it
+    (65-128 rows) or the plain decode GEMM + silu_and_mul (33-64): its tiles alone, then the
+    layer as it runs against the same with gate_up on the TMA GEMM at its best tile."""
+    from decode_layer_probe import GATE_UP_SHAPES, LAYERS, randn, routed_qkv
+    n, k, _ = SHAPES["gate_up"]
+    for rows, context in GATE_UP_SHAPES:
+        weights = [randn(n, k, scale=k ** -0.5) for _ in range(LAYERS)]
+        tiles = alone(rows, "gate_up", weights, randn(rows, k),
+                      [cfg for cfg in CONFIGS if cfg["BLOCK_M"] <= 128])
+        best = {key: tiles["best"][key] for key in CONFIGS[0]}
+
+        def column(x, w, gated):
+            return tma_matmul(x, w, gated=True, config=best) if gated else routed_qkv(x, w)
+
+        report["shapes"].append(dict(rows=rows, context=context, alone={"gate_up": tiles},
+                                     layer_us=layer(rows, {"shipped": None, "tma": column},
+                                                    context)))
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def main() -> None:
@@ -155,9 +183,12 @@ def main() -> None:
     torch.manual_seed(0)
     pdl.set_enabled(True)
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(), shapes=[])
+    if "--gate-up" in sys.argv:
+        small_gate_up(report)
+        return
     if "--layer" in sys.argv:
         for rows in LAYER_ROWS:
-            report["shapes"].append(dict(rows=rows, layer_us=layer(rows)))
+            report["shapes"].append(dict(rows=rows, layer_us=layer(rows, LARGE_ARMS)))
             with open(sys.argv[1], "w") as f:
                 json.dump(report, f, indent=1)
         return
@@ -166,7 +197,7 @@ def main() -> None:
         for name, (n, k, _) in SHAPES.items():
             weights = [randn(n, k, scale=k ** -0.5) for _ in range(LAYERS)]
             entry["alone"][name] = alone(rows, name, weights, randn(rows, k))
-        entry["layer_us"] = layer(rows)
+        entry["layer_us"] = layer(rows, LARGE_ARMS)
         report["shapes"].append(entry)
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
