@@ -28,7 +28,8 @@
 #                  160-256 rows with split-K at 3-5 stages
 #   tma-gemm       the TMA GEMM's tiles against cuBLAS at 160-256 rows, alone and in the layer;
 #                  tma-layer: only the layer as it runs against cuBLAS's qkv/gate_up, 160-256 rows;
-#                  tma-gate-up: gate_up + SiLU on it at 64-128 rows, alone and in the layer
+#                  tma-gate-up: gate_up + SiLU on it at 64-128 rows, alone and in the layer;
+#                  tma-lm-head: the LM head on it alone at 8-256 rows
 #   gemm-tests     the decode GEMM, TMA GEMM, split-K, elementwise and decode attention kernels' tests
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   ab             bench/ab.py: workload A in-process, this tree's files against the versions in
@@ -134,6 +135,8 @@ for stage in "$@"; do
     tma-layer) timeout 200 python3 bench/tma_gemm_probe.py "$OUT/tma_layer.json" --layer 2>&1 \
              | grep -v Warning | tail -8 ;;
     tma-gate-up) timeout 300 python3 bench/tma_gemm_probe.py "$OUT/tma_gate_up.json" --gate-up \
+             2>&1 | grep -v Warning | tail -8 ;;
+    tma-lm-head) timeout 300 python3 bench/tma_gemm_probe.py "$OUT/tma_lm_head.json" --lm-head \
              2>&1 | grep -v Warning | tail -8 ;;
     gemm-tiles) timeout 280 python3 bench/decode_layer_probe.py "$OUT/decode_layer_sweep.json" \
              --sweep 2>&1 | grep -v Warning | tail -12

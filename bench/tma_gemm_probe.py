@@ -13,7 +13,7 @@ tensor core's wide side, which tied, and o_proj / down_proj on it, which lost in
 `python3 bench/tma_gemm_probe.py $OUT/tma_gemm.json` (PYTHONPATH: the repo and bench/);
 `--layer` runs only 2., at LAYER_ROWS (at 160 and 176 rows the shipped routing is cuBLAS's:
 there the arms show the probe's noise); `--gate-up`: gate_up_proj + SiLU on it at 64-128 rows,
-alone and in the layer as it runs; `--check` runs only a correctness check of every config on small shapes (CPU with
+alone and in the layer as it runs; `--lm-head`: the LM head alone at 8-256 rows; `--check` runs only a correctness check of every config on small shapes (CPU with
 TRITON_INTERPRET=1 too).
 """
 
@@ -52,7 +52,9 @@ CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_stages=s, num_warps=w)
            for m, n, k, s, w in itertools.product((64, 128, 256), (32, 64, 128), (64, 128),
                                                   (3, 4), (4, 8))
            if (w == 4) == (m < 256) or m == 128]
-SHAPES = {"qkv": (4096, 1024, False), "gate_up": (6144, 1024, True)}  # (N, K, gated)
+SHAPES = {"qkv": (4096, 1024, False), "gate_up": (6144, 1024, True),
+          "lm_head": (151936, 1024, False)}  # (N, K, gated)
+LM_HEAD_ROWS = [8, 32, 64, 128, 192, 256]
 
 
 def check(on_cpu: bool) -> None:
@@ -174,6 +176,20 @@ def small_gate_up(report: dict) -> None:
             json.dump(report, f, indent=1)
 
 
+def lm_head(report: dict) -> None:
+    """The LM head (Qwen3-0.6B's tied 151,936 x 1024 embedding) alone at LM_HEAD_ROWS, four
+    distinct weights of 311 MB (each far past the L2) in the graph."""
+    from decode_layer_probe import randn
+    n, k, _ = SHAPES["lm_head"]
+    weights = [randn(n, k, scale=k ** -0.5) for _ in range(4)]
+    for rows in LM_HEAD_ROWS:
+        report["shapes"].append(dict(rows=rows, alone={
+            "lm_head": alone(rows, "lm_head", weights, randn(rows, k),
+                             [cfg for cfg in CONFIGS if cfg["BLOCK_M"] <= max(64, rows)])}))
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def main() -> None:
     if "--check" in sys.argv:
         check(on_cpu=not torch.cuda.is_available())
@@ -183,6 +199,9 @@ def main() -> None:
     torch.manual_seed(0)
     pdl.set_enabled(True)
     report = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(), shapes=[])
+    if "--lm-head" in sys.argv:
+        lm_head(report)
+        return
     if "--gate-up" in sys.argv:
         small_gate_up(report)
         return
@@ -194,7 +213,7 @@ def main() -> None:
         return
     for rows in ROWS:
         entry = dict(rows=rows, alone={})
-        for name, (n, k, _) in SHAPES.items():
+        for name, (n, k, _) in list(SHAPES.items())[:2]:
             weights = [randn(n, k, scale=k ** -0.5) for _ in range(LAYERS)]
             entry["alone"][name] = alone(rows, name, weights, randn(rows, k))
         entry["layer_us"] = layer(rows, LARGE_ARMS)
