@@ -53,12 +53,14 @@ def _tma_matmul_kernel(
     out_desc.store([off_m, off_n], acc.to(dtype))
 
 
-# Bounds and tiles: bench/tma_gemm_probe.py on the H200 (tma_gemm-a24f54a.json,
-# tma_gemm-8efbae0.json; us a Qwen3-0.6B layer as it runs, 28 layers in a CUDA graph, 640-key
-# contexts): qkv_proj and gate_up_proj on this kernel took 1.6, 2.0 and 1.3 us off the layer at
-# 256, 224 and 192 rows, and added 0.8 at 160 (cuBLAS + silu_and_mul stay there). o_proj and
-# down_proj on it were faster alone but slower in the layer (they stay on cuBLAS). Tiles: each
-# GEMM's best alone at 192-256 rows; 64-row tiles (one warpgroup) beat 128 and 256.
+# Bounds and tiles: bench/tma_gemm_probe.py on the H200 (us a Qwen3-0.6B layer as it runs, 28
+# layers in a CUDA graph, 640-key contexts). With qkv_proj and gate_up_proj on this kernel the
+# layer took 0.5-1.5 us less than with cuBLAS at 192 rows, 1.2-2.3 at 208-256
+# (tma_layer-f037a6b.json), and 0.3-1.3 more at 160 (tma_gemm-8efbae0.json), where cuBLAS +
+# silu_and_mul stay; on workload A the decode steps of 161-256 rows took 15-17 ms less a run
+# (ab_tma-f037a6b.json). o_proj and down_proj on it were faster alone but slower in the layer
+# (they stay on cuBLAS). Tiles: each GEMM's best alone at 192-256 rows; 64-row tiles (one
+# warpgroup) beat 128 and 256.
 MIN_ROWS = 177  # 176 runs in three 64-row tiles like 192, but cuBLAS is faster at fewer rows
 MAX_ROWS = 256  # the largest measured
 _CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_stages=4, num_warps=4)
