@@ -11,16 +11,20 @@ their outputs are never stored), and the gated epilogue saves silu_and_mul's lau
 round trip through memory. Each program owns a BLOCK_M x BLOCK_N output tile; the row tiles of a
 strip are neighbours in the grid, so they run together and share its weights in the L2.
 
-The reference is decode_matmul.decode_matmul_ref (cuBLAS, then SiLU-and-mul if gated), whose
-rounding the epilogue follows.
+The reference, tma_matmul_ref, is what the layers run otherwise (cuBLAS, then SiLU-and-mul if
+gated: decode_matmul_ref), whose rounding the epilogue follows.
 """
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dataplane.kernels.decode_matmul import MAX_K, silu_and_mul_rounded
+try:  # host-side TMA descriptors: Triton 3.4 and later
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
+from dataplane.kernels.decode_matmul import MAX_K, decode_matmul_ref, silu_and_mul_rounded
 from dataplane.kernels.pdl import launch_options, prefetch_args, prefetch_rows, wait_for_inputs
 
 
@@ -75,9 +79,10 @@ def tma_matmul_config(gated: bool) -> dict:
 def tma_matmul_pays(x: torch.Tensor, n: int, k: int, gated: bool = False) -> bool:
     """Whether tma_matmul beats cuBLAS (and a separate SiLU-and-mul) for x [num_rows, k] @ a
     weight of n output columns (gated: the width of gate alone), and TMA can read x: a CUDA
-    device of compute capability 9 or later, 16-bit floats, 16-byte aligned rows."""
+    device of compute capability 9 or later, 16-bit floats, 16-byte aligned rows, and a Triton
+    with host-side TMA descriptors."""
     cfg = tma_matmul_config(gated)
-    return (MIN_ROWS <= x.shape[0] <= MAX_ROWS and k <= MAX_K
+    return (TensorDescriptor is not None and MIN_ROWS <= x.shape[0] <= MAX_ROWS and k <= MAX_K
             and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
             and torch.cuda.get_device_capability(x.device)[0] >= 9
             and x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
@@ -113,3 +118,9 @@ def tma_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
         BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
         **prefetch_args(w, k), **launch_options(x.device, num_rows))
     return out
+
+
+def tma_matmul_ref(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """What the layers run otherwise: decode_matmul.py's reference (the GEMM, then SiLU-and-mul
+    if gated)."""
+    return decode_matmul_ref(x, w, gated)

@@ -6,9 +6,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from dataplane.kernels.decode_matmul import decode_matmul_ref  # noqa: E402
 from dataplane.kernels.tma_matmul import (  # noqa: E402
-    MAX_ROWS, MIN_ROWS, tma_matmul, tma_matmul_pays)
+    MAX_ROWS, MIN_ROWS, tma_matmul, tma_matmul_pays, tma_matmul_ref)
 from dataplane.layers.linear import QKVParallelLinear  # noqa: E402
 from dataplane.models.qwen3 import Qwen3MLP  # noqa: E402
 from tests.dataplane.kernels.helpers import (  # noqa: E402
@@ -28,7 +27,7 @@ def test_tma_matmul_against_torch(dtype, gated, num_rows, n, k, device, gen):
     x, w = gemm_operands(num_rows, n, k, dtype, device, gen)
     y = tma_matmul(x, w, gated=gated)
     assert y.shape == (num_rows, n // 2 if gated else n) and y.dtype == dtype
-    assert_close(y, decode_matmul_ref(x, w, gated), dtype)
+    assert_close(y, tma_matmul_ref(x, w, gated), dtype)
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -42,7 +41,7 @@ def test_tma_matmul_of_strided_rows_into_a_given_buffer(gated, device, gen):
     buffer = nan_like(torch.empty(80, 128 if gated else 256, dtype=dtype, device=device))
     out = buffer[:70]
     assert tma_matmul(x, w, gated=gated, out=out) is out
-    assert_close(out, decode_matmul_ref(x, w, gated), dtype)
+    assert_close(out, tma_matmul_ref(x, w, gated), dtype)
     assert buffer[70:].isnan().all()
     assert tma_matmul(x[:0], w, gated=gated).shape == (0, out.shape[1])
 
@@ -67,6 +66,6 @@ def test_qkv_and_mlp_layers_in_bf16_at_large_decode_batches(num_rows, device, ge
     assert tma_matmul_pays(x, 3072, 1024, gated=True) == takes_it
     with torch.inference_mode():
         assert_close(qkv(x), torch.nn.functional.linear(x, qkv.weight), dtype)
-        hidden = decode_matmul_ref(x, mlp.gate_up_proj.weight, gated=True)
+        hidden = tma_matmul_ref(x, mlp.gate_up_proj.weight, gated=True)
         expected = torch.nn.functional.linear(hidden, mlp.down_proj.weight)
         assert_close(mlp(x), expected, dtype)
