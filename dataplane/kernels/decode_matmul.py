@@ -122,6 +122,23 @@ def decode_matmul_pays(num_rows: int, n: int, k: int, dtype: torch.dtype,
             and n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0)
 
 
+def gemm_output(x: torch.Tensor, w: torch.Tensor, gated: bool, cfg: dict,
+                out: torch.Tensor | None) -> torch.Tensor:
+    """Checks a column GEMM's operands against its tiles cfg (x: [num_rows, K], rows may be
+    strided; w: [N, K] contiguous, of x's dtype) and returns its output [num_rows, N], or
+    [num_rows, N / 2] gated: `out` checked, or a new tensor. Shared with tma_matmul.py."""
+    num_rows, k = x.shape
+    n = w.shape[0]
+    assert w.shape == (n, k) and w.is_contiguous() and x.stride(1) == 1 and x.dtype == w.dtype
+    assert not gated or n % 2 == 0
+    width = n // 2 if gated else n
+    assert k % cfg["BLOCK_K"] == 0 and width % cfg["BLOCK_N"] == 0, (k, width, cfg)
+    if out is None:
+        out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)
+    assert out.shape == (num_rows, width) and out.dtype == x.dtype and out.stride(1) == 1
+    return out
+
+
 def decode_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
                   config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [num_rows, K] (rows may be strided), w: [N, K] contiguous, the same dtype. Returns
@@ -129,15 +146,9 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
     config: over decode_matmul_config's choice (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
     num_stages)."""
     num_rows, k = x.shape
-    n = w.shape[0]
-    assert w.shape == (n, k) and w.is_contiguous() and x.stride(1) == 1 and x.dtype == w.dtype
-    width = n // 2 if gated else n
-    assert not gated or n % 2 == 0
     cfg = decode_matmul_config(x.dtype, num_rows) | (config or {})
-    assert k % cfg["BLOCK_K"] == 0 and width % cfg["BLOCK_N"] == 0, (k, width, cfg)
-    if out is None:
-        out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)
-    assert out.shape == (num_rows, width) and out.dtype == x.dtype and out.stride(1) == 1
+    out = gemm_output(x, w, gated, cfg, out)
+    width = out.shape[1]
     if num_rows == 0:
         return out
     grid = (width // cfg["BLOCK_N"], triton.cdiv(num_rows, cfg["BLOCK_M"]))

@@ -24,7 +24,8 @@ try:  # host-side TMA descriptors: Triton 3.4 and later
 except ImportError:
     TensorDescriptor = None
 
-from dataplane.kernels.decode_matmul import MAX_K, decode_matmul_ref, silu_and_mul_rounded
+from dataplane.kernels.decode_matmul import (MAX_K, decode_matmul_ref, gemm_output,
+                                             silu_and_mul_rounded)
 from dataplane.kernels.pdl import launch_options, prefetch_args, prefetch_rows, wait_for_inputs
 
 
@@ -95,20 +96,14 @@ def tma_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
     x @ w.T [num_rows, N], or with gated silu(x @ w[:N/2].T) * (x @ w[N/2:].T) [num_rows, N/2].
     config: over tma_matmul_config's choice (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
     num_warps)."""
-    num_rows, k = x.shape
-    n = w.shape[0]
-    assert w.shape == (n, k) and w.is_contiguous() and x.stride(1) == 1 and x.dtype == w.dtype
     assert x.dtype in (torch.bfloat16, torch.float16), x.dtype
-    width = n // 2 if gated else n
-    assert not gated or n % 2 == 0
+    num_rows, k = x.shape
     cfg = tma_matmul_config(gated) | (config or {})
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    assert k % bk == 0 and width % bn == 0, (k, width, cfg)
-    if out is None:
-        out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)
-    assert out.shape == (num_rows, width) and out.dtype == x.dtype and out.stride(1) == 1
+    out = gemm_output(x, w, gated, cfg, out)
+    n, width = w.shape[0], out.shape[1]
     if num_rows == 0:
         return out
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     x_desc = TensorDescriptor(x, [num_rows, k], [x.stride(0), 1], [bm, bk])
     w_desc = TensorDescriptor(w, [n, k], [k, 1], [bn, bk])
     out_desc = TensorDescriptor(out, [num_rows, width], [out.stride(0), 1], [bm, bn])
