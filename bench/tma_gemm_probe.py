@@ -12,9 +12,10 @@ tensor core's wide side, which tied, and o_proj / down_proj on it, which lost in
 
 `python3 bench/tma_gemm_probe.py $OUT/tma_gemm.json` (PYTHONPATH: the repo and bench/);
 `--layer` runs only 2., at LAYER_ROWS (at 160 and 176 rows the shipped routing is cuBLAS's:
-there the arms show the probe's noise); `--gate-up`: gate_up_proj + SiLU on it at 64-128 rows,
-alone and in the layer as it runs; `--lm-head`: the LM head alone at 8-256 rows; `--check` runs only a correctness check of every config on small shapes (CPU with
-TRITON_INTERPRET=1 too).
+there the arms show the probe's noise); `--gate-up`: gate_up_proj + SiLU on it at 48-128 rows,
+alone and in the layer as it runs; `--lm-head`: the LM head alone at 8-256 rows; `--check`
+runs only a correctness check of every config on small shapes (CPU with TRITON_INTERPRET=1
+too).
 """
 
 import contextlib
@@ -27,15 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dataplane.kernels import pdl
-from dataplane.kernels.tma_matmul import tma_matmul
-
-
-def reference(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor:
-    y = F.linear(x, w)
-    if not gated:
-        return y
-    gate, up = y.chunk(2, dim=-1)
-    return (F.silu(gate.float()).to(y.dtype).float() * up.float()).to(y.dtype)
+from dataplane.kernels.tma_matmul import tma_matmul, tma_matmul_ref as reference
 
 
 def smem_bytes(cfg: dict, gated: bool) -> int:
