@@ -52,8 +52,8 @@ class ReplicatedLinear(_Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def _decode_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   gated: bool, before_silu: bool = False) -> torch.Tensor | None:
+def _our_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              gated: bool, before_silu: bool = False) -> torch.Tensor | None:
     """One of our GEMMs' output where it pays (a CUDA batch of decode size, no bias), else
     None: the decode GEMM up to its bounds (kernels/decode_matmul.py: cuBLAS's floor there is ~2x
     the weights' bytes), the TMA GEMM at 177-256 rows (kernels/tma_matmul.py).
@@ -81,7 +81,7 @@ class ColumnParallelLinear(_Linear):
         param.data.copy_(_rows(loaded, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _decode_matmul(x, self.weight, self.bias, gated=False)
+        y = _our_gemm(x, self.weight, self.bias, gated=False)
         return y if y is not None else F.linear(x, self.weight, self.bias)
 
 
@@ -103,10 +103,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         epilogue; else a kernel after the GEMM, which up to decode_matmul.MAX_ROWS_PLAIN_MLP is
         ours too, so that PDL chains it with the norm before and the activation after."""
         assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
-        y = _decode_matmul(x, self.weight, self.bias, gated=True)
+        y = _our_gemm(x, self.weight, self.bias, gated=True)
         if y is not None:
             return y
-        y = _decode_matmul(x, self.weight, self.bias, gated=False, before_silu=True)
+        y = _our_gemm(x, self.weight, self.bias, gated=False, before_silu=True)
         return _silu_and_mul(y if y is not None else F.linear(x, self.weight, self.bias))
 
 
