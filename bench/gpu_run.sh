@@ -9,11 +9,13 @@
 #   kernels        kernel micro-benchmarks          moe   fused MoE tuning
 #   profile        where a decode step's time goes at 256 rows; profile-32: at 32 rows of 1.5k;
 #                  profile-prefill: the prompt steps of 256 requests of 562 tokens
-#   decode-tests   the decode attention kernel's tests (merges repeated 200 times on one plan)
+#   decode-tests   the decode attention kernel's tests (merges repeated 200 times on one plan);
+#                  prefill-tests: the prefill attention kernel's
 #   decode-timeline  decode attention's programs stamping the global timer: launch, prologue,
 #                  tile loop, merges, the spread of their ends, on tune-decode's shapes
 #   tune-decode    decode attention configs and programs per SM on workload-like shapes
-#   tune-prefill   prefill attention configs on workload A's 16k-token prompt steps
+#   tune-prefill   prefill attention configs on workload A's 16k-token prompt steps;
+#                  prefill-variants: its grid order and key tiles, there and on 128-512-token prompts
 #   ncu-decode     Nsight Compute on one decode attention launch at 64 and 256 rows (stall
 #                  reasons, occupancy; Firecracker machines only: ../.library/device/KINDS.md)
 #   host-profile   cProfile of the data plane's host time in steps that carry a prompt;
@@ -91,10 +93,10 @@ for stage in "$@"; do
              tests/dataplane/kernels/test_attention_backends.py \
              tests/dataplane/kernels/test_categorical_sample.py > "$OUT/smoke.log" 2>&1
            grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/smoke.log" | tail -40 ;;
-    decode-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
-             --timeout 240 --tb=short tests/dataplane/kernels/test_paged_decode_attention.py \
-             > "$OUT/decode-tests.log" 2>&1
-           grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/decode-tests.log" | tail -40 ;;
+    decode-tests|prefill-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider \
+             -o addopts= -rfE --timeout 240 --tb=short \
+             "tests/dataplane/kernels/test_paged_${stage%-tests}_attention.py" > "$OUT/$stage.log" 2>&1
+           grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/$stage.log" | tail -40 ;;
     kernels) timeout 150 python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 \
              | tee "$OUT/kernels.log" | tail -40 ;;
     moe) timeout 300 python3 bench/fused_moe.py --out "$OUT/fused_moe.json" 2>&1 | tail -30 ;;
@@ -104,6 +106,8 @@ for stage in "$@"; do
              2>&1 | grep -v Warning | tee "$OUT/profile-prefill.log" | tail -70 ;;
     tune-prefill) timeout 300 python3 bench/tune_prefill.py "$OUT/tune_prefill.json" 2>&1 \
              | grep -v Warning | tail -4 ;;
+    prefill-variants) timeout 300 python3 bench/tune_prefill.py --variants \
+             "$OUT/prefill_variants.json" 2>&1 | grep -v Warning | tail -8 ;;
     tune-decode) timeout 300 python3 bench/tune_decode.py --out "$OUT/decode_tuning.json" 2>&1 \
              | tee "$OUT/tune-decode.log" | tail -20 ;;
     host-profile) timeout 180 python3 bench/host_profile.py 2>&1 | tee "$OUT/host-profile.log" \

@@ -6,11 +6,16 @@ launches), then each config of the grid; time, TFLOP/s (causal), and the best.
 (bench/kernels.py --sweep times a smaller grid on its fixed cases.)
 
     PYTHONPATH=.:bench python3 bench/tune_prefill.py tune_prefill.json
+
+--variants times the kernel's other settings over the default config instead of the grid: query
+tiles last-first (LAST_TILES_FIRST) and longer key tiles before the diagonal (FULL_TILE_N), on
+workload A's step and on 16k tokens of prompts all 128, 256 or 512 long (how the cost a program
+pays whatever its length shows against the tiles' cost).
 """
 
+import argparse
 import json
 import random
-import sys
 import time
 
 import torch
@@ -43,7 +48,23 @@ def time_config(args: tuple, max_query_len: int, config: dict | None) -> dict:
         return dict(error=f"{type(e).__name__}: {e}"[:300])
 
 
-def tune(model: str, shape: str, lens: list[int], cached: list[int]) -> dict:
+VARIANTS = [{}, dict(LAST_TILES_FIRST=True), dict(FULL_TILE_N=64),
+            dict(FULL_TILE_N=64, LAST_TILES_FIRST=True), dict(FULL_TILE_N=128, LAST_TILES_FIRST=True),
+            dict(LAST_TILES_FIRST=True, num_stages=3),
+            dict(LAST_TILES_FIRST=True, FULL_TILE_N=64, rows=128, num_warps=8)]
+
+
+def grid_configs(group: int) -> list[dict]:
+    return [dict(BLOCK_Q=c["rows"] // group, BLOCK_N=c["BLOCK_N"], num_warps=c["num_warps"],
+                 num_stages=c["num_stages"]) for c in GRID]
+
+
+def variant_configs(group: int) -> list[dict]:
+    return [{k: v for k, v in c.items() if k != "rows"} | (
+        dict(BLOCK_Q=c["rows"] // group) if "rows" in c else {}) for c in VARIANTS]
+
+
+def tune(model: str, shape: str, lens: list[int], cached: list[int], variants: bool) -> dict:
     num_heads = MODELS[model]
     group = num_heads // 8
     p = paged_problem(lens, cached, num_heads, BLOCK)
@@ -51,9 +72,7 @@ def tune(model: str, shape: str, lens: list[int], cached: list[int]) -> dict:
             p["seq_lens"], HEAD_DIM ** -0.5)
     flops = prefill_flops(lens, cached, num_heads)
     rows = [dict(config=None, **time_config(args, p["max_query_len"], None))]
-    for c in GRID:
-        config = dict(BLOCK_Q=c["rows"] // group, BLOCK_N=c["BLOCK_N"], num_warps=c["num_warps"],
-                      num_stages=c["num_stages"])
+    for config in (variant_configs if variants else grid_configs)(group):
         rows.append(dict(config=config, **time_config(args, p["max_query_len"], config)))
     for row in rows:
         if "ms" in row:
@@ -65,18 +84,29 @@ def tune(model: str, shape: str, lens: list[int], cached: list[int]) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="the JSON file to write")
+    parser.add_argument("--variants", action="store_true",
+                        help="the kernel's other settings over the default, not the grid")
+    args = parser.parse_args()
     started = time.perf_counter()
+    variants = args.variants
     lens = prompt_lens()
-    cases = {"workload A": (lens, [0] * len(lens)), "2 x 8192": ([8192] * 2, [0, 0]),
-             "8 x 2048 after 4096": ([2048] * 8, [4096] * 8)}
-    shapes = [tune(model, shape, *case) for shape, case in cases.items() for model in MODELS]
+    cases = {"workload A": (lens, [0] * len(lens))}
+    if variants:
+        cases |= {f"{NUM_TOKENS // n} x {n}": ([n] * (NUM_TOKENS // n), [0] * (NUM_TOKENS // n))
+                  for n in (128, 256, 512)}
+    else:
+        cases |= {"2 x 8192": ([8192] * 2, [0, 0]), "8 x 2048 after 4096": ([2048] * 8, [4096] * 8)}
+    shapes = [tune(model, shape, *case, variants) for shape, case in cases.items()
+              for model in MODELS]
     result = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
                   torch=torch.__version__, num_tokens=NUM_TOKENS, prompt_lens=lens,
-                  shapes=shapes, seconds=time.perf_counter() - started)
+                  variants=variants, shapes=shapes, seconds=time.perf_counter() - started)
     for s in shapes:
         print(f"{s['model']}, {s['shape']}: default {s['default'].get('ms')} ms, best {s['best']['ms']:.4f} ms "
               f"({s['best']['tflops']:.0f} TFLOP/s) with {s['best']['config']}")
-    with open(sys.argv[1], "w") as f:
+    with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -24,7 +24,7 @@ MIXED = [(7, 0), (1, 40), (70, 0), (1, 0), (33, 31), (0, 5), (129, 64), (16, 200
 
 
 def run_case(query_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-             device, gen, max_query_len=None):
+             device, gen, max_query_len=None, config=None):
     seq_lens = [q + c for q, c in zip(query_lens, cached_lens)]
     cache = make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
     q = randn(sum(query_lens), num_heads, head_dim, dtype=dtype, device=device, gen=gen)
@@ -33,7 +33,8 @@ def run_case(query_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_s
     scale = head_dim ** -0.5
     out = paged_prefill_attention(q, cache.k_cache, cache.v_cache, cache.block_tables,
                                   query_start_loc, lens, scale,
-                                  max_query_len=max_query_len or max(query_lens), out=nan_like(q))
+                                  max_query_len=max_query_len or max(query_lens), out=nan_like(q),
+                                  config=config)
     expected = paged_prefill_attention_ref(q, cache.k_cache, cache.v_cache, cache.block_tables,
                                            query_start_loc, lens, scale)
     assert_close(out, expected, dtype)
@@ -106,3 +107,16 @@ def test_random_batches(dtype, device, gen):
     query_lens = torch.randint(1, longest, (batch,), generator=gen).tolist()
     cached_lens = torch.randint(0, longest, (batch,), generator=gen).tolist()
     run_case(query_lens, cached_lens, 32, 8, 128, 16, dtype, device, gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [dict(LAST_TILES_FIRST=True), dict(FULL_TILE_N=64),
+                                    dict(LAST_TILES_FIRST=True, FULL_TILE_N=128, BLOCK_Q=8)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (12, 4)])
+def test_grid_orders_and_full_tiles(dtype, config, num_heads, num_kv_heads, device, gen):
+    """The tuning settings: query tiles last-first (programs past a request's tiles return) and
+    longer key tiles before the diagonal, on the mixed batch and with a loose max_query_len."""
+    skip_unsupported(dtype, device)
+    query_lens, cached_lens = zip(*MIXED)
+    run_case(list(query_lens), list(cached_lens), num_heads, num_kv_heads, 128, 16, dtype,
+             device, gen, max_query_len=200, config=config)
