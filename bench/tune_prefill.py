@@ -8,9 +8,9 @@ launches), then each config of the grid; time, TFLOP/s (causal), and the best.
     PYTHONPATH=.:bench python3 bench/tune_prefill.py tune_prefill.json
 
 --variants times the kernel's other settings over the default config instead of the grid: query
-tiles last-first (LAST_TILES_FIRST) and longer key tiles before the diagonal (FULL_TILE_N), on
-workload A's step and on 16k tokens of prompts all 128, 256 or 512 long (how the cost a program
-pays whatever its length shows against the tiles' cost).
+tiles last-first (LAST_TILES_FIRST) and all key tiles masked in one loop (ONE_LOOP), on
+workload A's step, on 16k tokens of prompts all 128, 256 or 512 long (how the cost a program
+pays whatever its length shows against the tiles' cost) and on the long cases.
 """
 
 import argparse
@@ -48,10 +48,12 @@ def time_config(args: tuple, max_query_len: int, config: dict | None) -> dict:
         return dict(error=f"{type(e).__name__}: {e}"[:300])
 
 
-VARIANTS = [{}, dict(LAST_TILES_FIRST=True), dict(FULL_TILE_N=64),
-            dict(FULL_TILE_N=64, LAST_TILES_FIRST=True), dict(FULL_TILE_N=128, LAST_TILES_FIRST=True),
-            dict(LAST_TILES_FIRST=True, num_stages=3),
-            dict(LAST_TILES_FIRST=True, FULL_TILE_N=64, rows=128, num_warps=8)]
+VARIANTS = [{}, dict(LAST_TILES_FIRST=True), dict(LAST_TILES_FIRST=True, num_stages=3),
+            dict(ONE_LOOP=True), dict(LAST_TILES_FIRST=True, ONE_LOOP=True),
+            dict(LAST_TILES_FIRST=True, ONE_LOOP=True, num_stages=3),
+            dict(LAST_TILES_FIRST=True, ONE_LOOP=True, num_stages=4),
+            dict(LAST_TILES_FIRST=True, ONE_LOOP=True, rows=128, num_warps=8),
+            dict(LAST_TILES_FIRST=True, ONE_LOOP=True, BLOCK_N=64)]
 
 
 def grid_configs(group: int) -> list[dict]:
@@ -96,8 +98,7 @@ def main() -> None:
     if variants:
         cases |= {f"{NUM_TOKENS // n} x {n}": ([n] * (NUM_TOKENS // n), [0] * (NUM_TOKENS // n))
                   for n in (128, 256, 512)}
-    else:
-        cases |= {"2 x 8192": ([8192] * 2, [0, 0]), "8 x 2048 after 4096": ([2048] * 8, [4096] * 8)}
+    cases |= {"2 x 8192": ([8192] * 2, [0, 0]), "8 x 2048 after 4096": ([2048] * 8, [4096] * 8)}
     shapes = [tune(model, shape, *case, variants) for shape, case in cases.items()
               for model in MODELS]
     result = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),

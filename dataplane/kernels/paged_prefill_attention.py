@@ -89,8 +89,8 @@ def _prefill_kernel(
     stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_bt_req, stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, FULL_TILE_N: tl.constexpr,
-    LAST_TILES_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
+    ONE_LOOP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     if LAST_TILES_FIRST:
         # grid (num_reqs, query tiles of the longest request, num_kv_heads): program_id(1) counts
@@ -100,6 +100,7 @@ def _prefill_kernel(
         kv_head = tl.program_id(2)
         q_start = tl.load(query_start_loc_ptr + req)
         q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + req)  # with the two above: one round trip, not two
         q_start -= first_token  # an index into this launch's q and out
         q_tile = tl.cdiv(q_len, BLOCK_Q) - 1 - tl.program_id(1)
         if q_tile < 0:
@@ -114,7 +115,7 @@ def _prefill_kernel(
         q_tile = program - (q_start // BLOCK_Q + req)
         if q_tile * BLOCK_Q >= q_len:
             return
-    seq_len = tl.load(seq_lens_ptr + req)
+        seq_len = tl.load(seq_lens_ptr + req)
     num_cached = seq_len - q_len
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
@@ -132,9 +133,9 @@ def _prefill_kernel(
     # Every row sees keys 0..first_pos; the tile's last query sees up to key_end - 1.
     first_pos = num_cached + q_tile * BLOCK_Q
     key_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
-    # Keys before the first row's position need no mask: FULL_TILE_N-key tiles up to there,
-    # then BLOCK_N-key tiles with the masks.
-    num_full_tiles = (first_pos + 1) // FULL_TILE_N
+    # Keys before the first row's position need no mask; ONE_LOOP masks them too, so that
+    # one pipeline runs through to the diagonal instead of draining before it.
+    num_full_tiles = 0 if ONE_LOOP else (first_pos + 1) // BLOCK_N
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
     kv_offset = kv_head * stride_cache_head
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -142,11 +143,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, m, l = _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_pos,
                               seq_len, 0, num_full_tiles, scale_log2e, stride_cache_block,
-                              stride_cache_tok, HEAD_DIM, PAGE_SIZE, FULL_TILE_N, False,
+                              stride_cache_tok, HEAD_DIM, PAGE_SIZE, BLOCK_N, False,
                               DOT_PRECISION)
     acc, m, l = _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_pos,
-                              seq_len, num_full_tiles * (FULL_TILE_N // BLOCK_N),
-                              tl.cdiv(key_end, BLOCK_N), scale_log2e,
+                              seq_len, num_full_tiles, tl.cdiv(key_end, BLOCK_N), scale_log2e,
                               stride_cache_block, stride_cache_tok, HEAD_DIM, PAGE_SIZE, BLOCK_N,
                               True, DOT_PRECISION)
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
@@ -170,12 +170,12 @@ def _config(dtype: torch.dtype, head_dim: int, group_p: int, max_query_len: int)
     tails, decodes)."""
     if dtype == torch.float32:  # tests only: exact fp32 dots, tiles small enough for shared memory
         block_m = min(32, max(16, triton.next_power_of_2(max_query_len * group_p)))
-        return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=16, FULL_TILE_N=16,
-                    LAST_TILES_FIRST=False, DOT_PRECISION="ieee", num_warps=4, num_stages=2)
+        return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=16,
+                    LAST_TILES_FIRST=False, ONE_LOOP=False, DOT_PRECISION="ieee", num_warps=4, num_stages=2)
     small = max_query_len <= SMALL_TILES_MAX_QUERY
     block_m = min(64 if small else 128, max(16, triton.next_power_of_2(max_query_len * group_p)))
-    return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=32, FULL_TILE_N=32,
-                LAST_TILES_FIRST=False, DOT_PRECISION="tf32", num_warps=4,
+    return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=32,
+                LAST_TILES_FIRST=False, ONE_LOOP=False, DOT_PRECISION="tf32", num_warps=4,
                 num_stages=2 if small or head_dim > 128 else 3)
 
 
@@ -192,9 +192,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     first_token: the value query_start_loc starts at (on the host), e.g. d for the slice [d:] of
     a step's offsets whose first d one-token requests are served elsewhere; q and out then are
     the matching slices [d:] of the step's tokens.
-    config: settings over the defaults (BLOCK_Q, BLOCK_N, FULL_TILE_N: the key tiles before the
-    diagonal, a multiple of BLOCK_N; LAST_TILES_FIRST: the grid's order; num_warps,
-    num_stages), for tuning. Returns out: [num_tokens, num_heads, head_dim]."""
+    config: settings over the defaults (BLOCK_Q, BLOCK_N, LAST_TILES_FIRST: the grid's order,
+    ONE_LOOP: every key tile masked, num_warps, num_stages), for tuning. Returns out: [num_tokens, num_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_reqs = seq_lens.shape[0]
@@ -213,7 +212,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group_p = triton.next_power_of_2(group)
     max_query_len = max_query_len or num_tokens
     config = _config(q.dtype, head_dim, group_p, max_query_len) | (config or {})
-    assert config["FULL_TILE_N"] % config["BLOCK_N"] == 0
     if config["LAST_TILES_FIRST"]:
         grid = (num_reqs, triton.cdiv(max_query_len, config["BLOCK_Q"]), num_kv_heads)
     else:

@@ -110,12 +110,12 @@ def test_random_batches(dtype, device, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [dict(LAST_TILES_FIRST=True), dict(FULL_TILE_N=64),
-                                    dict(LAST_TILES_FIRST=True, FULL_TILE_N=128, BLOCK_Q=8)])
+@pytest.mark.parametrize("config", [dict(LAST_TILES_FIRST=True), dict(ONE_LOOP=True),
+                                    dict(LAST_TILES_FIRST=True, ONE_LOOP=True, BLOCK_Q=8)])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (12, 4)])
 def test_grid_orders_and_full_tiles(dtype, config, num_heads, num_kv_heads, device, gen):
     """The tuning settings: query tiles last-first (programs past a request's tiles return) and
-    longer key tiles before the diagonal, on the mixed batch and with a loose max_query_len."""
+    every key tile masked in one loop, on the mixed batch and with a loose max_query_len."""
     skip_unsupported(dtype, device)
     query_lens, cached_lens = zip(*MIXED)
     run_case(list(query_lens), list(cached_lens), num_heads, num_kv_heads, 128, 16, dtype,
