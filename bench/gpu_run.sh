@@ -14,8 +14,7 @@
 #   decode-timeline  decode attention's programs stamping the global timer: launch, prologue,
 #                  tile loop, merges, the spread of their ends, on tune-decode's shapes
 #   tune-decode    decode attention configs and programs per SM on workload-like shapes
-#   tune-prefill   prefill attention configs on workload A's 16k-token prompt steps;
-#                  prefill-variants: its grid order and key tiles, there and on 128-512-token prompts
+#   tune-prefill   prefill attention configs on workload A's 16k-token prompt steps
 #   ncu-decode     Nsight Compute on one decode attention launch at 64 and 256 rows (stall
 #                  reasons, occupancy; Firecracker machines only: ../.library/device/KINDS.md)
 #   host-profile   cProfile of the data plane's host time in steps that carry a prompt;
@@ -106,8 +105,6 @@ for stage in "$@"; do
              2>&1 | grep -v Warning | tee "$OUT/profile-prefill.log" | tail -70 ;;
     tune-prefill) timeout 300 python3 bench/tune_prefill.py "$OUT/tune_prefill.json" 2>&1 \
              | grep -v Warning | tail -4 ;;
-    prefill-variants) timeout 300 python3 bench/tune_prefill.py --variants \
-             "$OUT/prefill_variants.json" 2>&1 | grep -v Warning | tail -8 ;;
     tune-decode) timeout 300 python3 bench/tune_decode.py --out "$OUT/decode_tuning.json" 2>&1 \
              | tee "$OUT/tune-decode.log" | tail -20 ;;
     host-profile) timeout 180 python3 bench/host_profile.py 2>&1 | tee "$OUT/host-profile.log" \

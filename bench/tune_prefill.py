@@ -6,16 +6,11 @@ launches), then each config of the grid; time, TFLOP/s (causal), and the best.
 (bench/kernels.py --sweep times a smaller grid on its fixed cases.)
 
     PYTHONPATH=.:bench python3 bench/tune_prefill.py tune_prefill.json
-
---variants times the kernel's other settings over the default config instead of the grid: query
-tiles last-first (LAST_TILES_FIRST) and all key tiles masked in one loop (ONE_LOOP), on
-workload A's step, on 16k tokens of prompts all 128, 256 or 512 long (how the cost a program
-pays whatever its length shows against the tiles' cost) and on the long cases.
 """
 
-import argparse
 import json
 import random
+import sys
 import time
 
 import torch
@@ -48,25 +43,7 @@ def time_config(args: tuple, max_query_len: int, config: dict | None) -> dict:
         return dict(error=f"{type(e).__name__}: {e}"[:300])
 
 
-VARIANTS = [{}, dict(LAST_TILES_FIRST=True), dict(LAST_TILES_FIRST=True, num_stages=3),
-            dict(ONE_LOOP=True), dict(LAST_TILES_FIRST=True, ONE_LOOP=True),
-            dict(LAST_TILES_FIRST=True, ONE_LOOP=True, num_stages=3),
-            dict(LAST_TILES_FIRST=True, ONE_LOOP=True, num_stages=4),
-            dict(LAST_TILES_FIRST=True, ONE_LOOP=True, rows=128, num_warps=8),
-            dict(LAST_TILES_FIRST=True, ONE_LOOP=True, BLOCK_N=64)]
-
-
-def grid_configs(group: int) -> list[dict]:
-    return [dict(BLOCK_Q=c["rows"] // group, BLOCK_N=c["BLOCK_N"], num_warps=c["num_warps"],
-                 num_stages=c["num_stages"]) for c in GRID]
-
-
-def variant_configs(group: int) -> list[dict]:
-    return [{k: v for k, v in c.items() if k != "rows"} | (
-        dict(BLOCK_Q=c["rows"] // group) if "rows" in c else {}) for c in VARIANTS]
-
-
-def tune(model: str, shape: str, lens: list[int], cached: list[int], variants: bool) -> dict:
+def tune(model: str, shape: str, lens: list[int], cached: list[int]) -> dict:
     num_heads = MODELS[model]
     group = num_heads // 8
     p = paged_problem(lens, cached, num_heads, BLOCK)
@@ -74,7 +51,9 @@ def tune(model: str, shape: str, lens: list[int], cached: list[int], variants: b
             p["seq_lens"], HEAD_DIM ** -0.5)
     flops = prefill_flops(lens, cached, num_heads)
     rows = [dict(config=None, **time_config(args, p["max_query_len"], None))]
-    for config in (variant_configs if variants else grid_configs)(group):
+    for c in GRID:
+        config = dict(BLOCK_Q=c["rows"] // group, BLOCK_N=c["BLOCK_N"], num_warps=c["num_warps"],
+                      num_stages=c["num_stages"])
         rows.append(dict(config=config, **time_config(args, p["max_query_len"], config)))
     for row in rows:
         if "ms" in row:
@@ -86,28 +65,18 @@ def tune(model: str, shape: str, lens: list[int], cached: list[int], variants: b
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", help="the JSON file to write")
-    parser.add_argument("--variants", action="store_true",
-                        help="the kernel's other settings over the default, not the grid")
-    args = parser.parse_args()
     started = time.perf_counter()
-    variants = args.variants
     lens = prompt_lens()
-    cases = {"workload A": (lens, [0] * len(lens))}
-    if variants:
-        cases |= {f"{NUM_TOKENS // n} x {n}": ([n] * (NUM_TOKENS // n), [0] * (NUM_TOKENS // n))
-                  for n in (128, 256, 512)}
-    cases |= {"2 x 8192": ([8192] * 2, [0, 0]), "8 x 2048 after 4096": ([2048] * 8, [4096] * 8)}
-    shapes = [tune(model, shape, *case, variants) for shape, case in cases.items()
-              for model in MODELS]
+    cases = {"workload A": (lens, [0] * len(lens)), "2 x 8192": ([8192] * 2, [0, 0]),
+             "8 x 2048 after 4096": ([2048] * 8, [4096] * 8)}
+    shapes = [tune(model, shape, *case) for shape, case in cases.items() for model in MODELS]
     result = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
                   torch=torch.__version__, num_tokens=NUM_TOKENS, prompt_lens=lens,
-                  variants=variants, shapes=shapes, seconds=time.perf_counter() - started)
+                  shapes=shapes, seconds=time.perf_counter() - started)
     for s in shapes:
         print(f"{s['model']}, {s['shape']}: default {s['default'].get('ms')} ms, best {s['best']['ms']:.4f} ms "
               f"({s['best']['tflops']:.0f} TFLOP/s) with {s['best']['config']}")
-    with open(args.out, "w") as f:
+    with open(sys.argv[1], "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -7,10 +7,11 @@ and sees keys 0..that position. All keys are read from the cache through the blo
 
 One program handles BLOCK_Q consecutive queries of one request for the GROUP query heads of one
 kv head, stacked as BLOCK_M = BLOCK_Q * GROUP_P rows (row = query * GROUP_P + head), so each K/V
-tile is loaded once per kv head. With t = query_start_loc[r] - first_token
-(first_token: where this launch's tokens start), request r owns the programs [t // BLOCK_Q + r,
-t' // BLOCK_Q + r + 1) of a grid of num_tokens // BLOCK_Q + num_reqs (t' for r + 1), found by a
-binary search over query_start_loc: no host-side list of tiles is needed.
+tile is loaded once per kv head. The grid is (num_reqs, query tiles of the longest request,
+num_kv_heads), its second index counting a request's query tiles from the last: a kv head's
+programs start on the tiles that see the most keys and end on the lightest, and programs past a
+request's tiles return at once. That order took 2-6% off the launch against one that walked
+each request's tiles first to last (bench/results/h200/prefill_variants-7e587ce.json).
 """
 
 import math
@@ -22,20 +23,6 @@ import triton.language as tl
 from dataplane.kernels.paged_inputs import check_paged_attention_inputs
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _find_request(query_start_loc_ptr, program, num_reqs, first_token, BLOCK_Q: tl.constexpr):
-    """The last request r with (query_start_loc[r] - first_token) // BLOCK_Q + r <= program
-    (increasing in r)."""
-    lo: tl.int32 = 0
-    hi = num_reqs
-    while lo + 1 < hi:
-        mid = (lo + hi) // 2
-        first = (tl.load(query_start_loc_ptr + mid) - first_token) // BLOCK_Q + mid
-        lo = tl.where(first <= program, mid, lo)
-        hi = tl.where(first <= program, hi, mid)
-    return lo
 
 
 @triton.jit
@@ -76,46 +63,29 @@ def _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_p
     return acc, m, l
 
 
-# Not specialized on the request count, the first token, the block-table row stride (the
-# longest request's block count in a step) or the alignment of the per-request arrays (slices
-# [d:] of them after d decodes): every value would otherwise be one of two or three variants,
-# and a variant first seen inside a served step compiles there (found on the H200: one such
-# compile per run).
-@triton.jit(do_not_specialize=["num_reqs", "first_token", "stride_bt_req", "block_tables_ptr",
+# Not specialized on the first token, the block-table row stride (the longest request's block
+# count in a step) or the alignment of the per-request arrays (slices [d:] of them after d
+# decodes): every value would otherwise be one of two or three variants, and a variant first
+# seen inside a served step compiles there (found on the H200: one such compile per run).
+@triton.jit(do_not_specialize=["first_token", "stride_bt_req", "block_tables_ptr",
                                "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    num_reqs, first_token, scale_log2e,
+    first_token, scale_log2e,
     stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_bt_req, stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
-    ONE_LOOP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    if LAST_TILES_FIRST:
-        # grid (num_reqs, query tiles of the longest request, num_kv_heads): program_id(1) counts
-        # a request's query tiles from its last, so each kv head starts on the tiles that see
-        # the most keys and ends on the lightest ones.
-        req = tl.program_id(0)
-        kv_head = tl.program_id(2)
-        q_start = tl.load(query_start_loc_ptr + req)
-        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-        seq_len = tl.load(seq_lens_ptr + req)  # with the two above: one round trip, not two
-        q_start -= first_token  # an index into this launch's q and out
-        q_tile = tl.cdiv(q_len, BLOCK_Q) - 1 - tl.program_id(1)
-        if q_tile < 0:
-            return
-    else:
-        program = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        req = _find_request(query_start_loc_ptr, program, num_reqs, first_token, BLOCK_Q)
-        q_start = tl.load(query_start_loc_ptr + req)
-        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-        q_start -= first_token
-        q_tile = program - (q_start // BLOCK_Q + req)
-        if q_tile * BLOCK_Q >= q_len:
-            return
-        seq_len = tl.load(seq_lens_ptr + req)
+    req = tl.program_id(0)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)  # with the two above: one round trip, not two
+    q_start -= first_token  # an index into this launch's q and out
+    q_tile = tl.cdiv(q_len, BLOCK_Q) - 1 - tl.program_id(1)
+    if q_tile < 0:
+        return
     num_cached = seq_len - q_len
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
@@ -133,9 +103,9 @@ def _prefill_kernel(
     # Every row sees keys 0..first_pos; the tile's last query sees up to key_end - 1.
     first_pos = num_cached + q_tile * BLOCK_Q
     key_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
-    # Keys before the first row's position need no mask; ONE_LOOP masks them too, so that
-    # one pipeline runs through to the diagonal instead of draining before it.
-    num_full_tiles = 0 if ONE_LOOP else (first_pos + 1) // BLOCK_N
+    # Keys before the first row's position need no mask. (Masking them too, so that one
+    # pipeline runs to the diagonal, was 1-15% slower except on prompts of 128-256 tokens.)
+    num_full_tiles = (first_pos + 1) // BLOCK_N
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
     kv_offset = kv_head * stride_cache_head
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -143,8 +113,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, m, l = _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_pos,
                               seq_len, 0, num_full_tiles, scale_log2e, stride_cache_block,
-                              stride_cache_tok, HEAD_DIM, PAGE_SIZE, BLOCK_N, False,
-                              DOT_PRECISION)
+                              stride_cache_tok, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION)
     acc, m, l = _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_pos,
                               seq_len, num_full_tiles, tl.cdiv(key_end, BLOCK_N), scale_log2e,
                               stride_cache_block, stride_cache_tok, HEAD_DIM, PAGE_SIZE, BLOCK_N,
@@ -162,6 +131,10 @@ def _prefill_kernel(
 # under 128 / 64 / 8 / 3 on two prompts of 8192 and on 2048-token chunks after 4096 cached
 # tokens, within 4% of the best there (tune_prefill-0e8014c.json).
 SMALL_TILES_MAX_QUERY = 1024
+# With the grid's last-first order, 3 stages beat 2 on workload A's steps (0.6B heads: 210 against
+# 215 us, twice; 8B: 381 against 383-384), tie at 512-token prompts and lose 1-3% at 128-256
+# (prefill_variants-c3b90bd.json, -7e587ce.json).
+THREE_STAGES_MIN_QUERY = 513
 
 
 def _config(dtype: torch.dtype, head_dim: int, group_p: int, max_query_len: int) -> dict:
@@ -170,13 +143,13 @@ def _config(dtype: torch.dtype, head_dim: int, group_p: int, max_query_len: int)
     tails, decodes)."""
     if dtype == torch.float32:  # tests only: exact fp32 dots, tiles small enough for shared memory
         block_m = min(32, max(16, triton.next_power_of_2(max_query_len * group_p)))
-        return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=16,
-                    LAST_TILES_FIRST=False, ONE_LOOP=False, DOT_PRECISION="ieee", num_warps=4, num_stages=2)
+        return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=16, DOT_PRECISION="ieee",
+                    num_warps=4, num_stages=2)
     small = max_query_len <= SMALL_TILES_MAX_QUERY
     block_m = min(64 if small else 128, max(16, triton.next_power_of_2(max_query_len * group_p)))
-    return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=32,
-                LAST_TILES_FIRST=False, ONE_LOOP=False, DOT_PRECISION="tf32", num_warps=4,
-                num_stages=2 if small or head_dim > 128 else 3)
+    three_stages = max_query_len >= THREE_STAGES_MIN_QUERY and head_dim <= 128
+    return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=32, DOT_PRECISION="tf32",
+                num_warps=4, num_stages=3 if three_stages else 2)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -192,8 +165,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     first_token: the value query_start_loc starts at (on the host), e.g. d for the slice [d:] of
     a step's offsets whose first d one-token requests are served elsewhere; q and out then are
     the matching slices [d:] of the step's tokens.
-    config: settings over the defaults (BLOCK_Q, BLOCK_N, LAST_TILES_FIRST: the grid's order,
-    ONE_LOOP: every key tile masked, num_warps, num_stages), for tuning. Returns out: [num_tokens, num_heads, head_dim]."""
+    config: tile settings over the defaults (BLOCK_Q, BLOCK_N, num_warps, num_stages), for
+    tuning. Returns out: [num_tokens, num_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_reqs = seq_lens.shape[0]
@@ -212,13 +185,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group_p = triton.next_power_of_2(group)
     max_query_len = max_query_len or num_tokens
     config = _config(q.dtype, head_dim, group_p, max_query_len) | (config or {})
-    if config["LAST_TILES_FIRST"]:
-        grid = (num_reqs, triton.cdiv(max_query_len, config["BLOCK_Q"]), num_kv_heads)
-    else:
-        grid = (num_tokens // config["BLOCK_Q"] + num_reqs, num_kv_heads)
+    grid = (num_reqs, triton.cdiv(max_query_len, config["BLOCK_Q"]), num_kv_heads)
+    assert grid[1] <= 65535, "a grid's second dimension holds 65535 programs at most"
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        num_reqs, first_token, scale * LOG2E,
+        first_token, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=block_size, **config,
