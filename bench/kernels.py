@@ -271,7 +271,8 @@ def sweep_rows(copy_bw: float) -> list[dict]:
                 config = dict(BLOCK_Q=rows_m // group, BLOCK_N=n, num_warps=w, num_stages=s)
                 row = measure_config("prefill_attention", dict(model=model, case=name,
                                                                config=config),
-                                     lambda: paged_prefill_attention(*args, config=config),
+                                     lambda: paged_prefill_attention(
+                                         *args, max_query_len=p["max_query_len"], config=config),
                                      kv_bytes([q + c for q, c in zip(query_lens, cached_lens)]),
                                      copy_bw)
                 if "ms" in row:
