@@ -49,7 +49,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return NO_HIT
         num_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._hashes(request, num_blocks)
+        hashes = self._hashes(request, num_blocks)[:num_blocks]
         hits = self.cache.lookup(hashes, request.token_ids, self.block_size)
         return PrefixHit(tuple(hits), len(hits) * self.block_size)
 
@@ -105,12 +105,13 @@ class KVCacheManager:
             self.req_to_hashes.pop(request.request_id, None)
 
     def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's block hashes, computed up to at least its first num_blocks blocks (the
+        list itself, which may hold more: no copy on the per-step path)."""
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
         if len(hashes) < num_blocks:
-            tokens = request.token_ids[:num_blocks * self.block_size]
-            hashes.extend(block_hashes(tokens, self.block_size, start=len(hashes),
-                                       parent=hashes[-1] if hashes else None))
-        return hashes[:num_blocks]
+            hashes.extend(block_hashes(request.token_ids, self.block_size, start=len(hashes),
+                                       parent=hashes[-1] if hashes else None, end=num_blocks))
+        return hashes
 
     def check_invariants(self) -> None:
         """For tests: reference counts match holders, the free queue holds exactly the

@@ -19,11 +19,13 @@ def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0,
-                 parent: bytes | None = None) -> list[bytes]:
-    """Hashes of the full blocks of `token_ids` from block index `start` on, chained on `parent`
-    (the hash of block start - 1)."""
+                 parent: bytes | None = None, end: int | None = None) -> list[bytes]:
+    """Hashes of the full blocks of `token_ids` from block index `start` on, up to block `end`
+    (exclusive; default: every full block), chained on `parent` (the hash of block start - 1).
+    Reads only those blocks' tokens, so a caller passes the whole list, not a copy of a slice."""
+    stop = len(token_ids) if end is None else min(len(token_ids), end * block_size)
     out = []
-    for begin in range(start * block_size, len(token_ids) - block_size + 1, block_size):
+    for begin in range(start * block_size, stop - block_size + 1, block_size):
         parent = chain_hash(parent, token_ids[begin:begin + block_size])
         out.append(parent)
     return out

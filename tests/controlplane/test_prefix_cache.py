@@ -12,6 +12,8 @@ def test_hashes_chain_over_full_blocks_only():
     assert block_hashes([9, 9, 9, 9, 4, 5, 6, 7], 4)[1] != hashes[1]
     # continuing from a known parent gives the same chain
     assert block_hashes(tokens, 4, start=1, parent=hashes[0]) == hashes[1:]
+    assert block_hashes(tokens, 4, end=1) == hashes[:1]
+    assert block_hashes(tokens, 4, start=1, parent=hashes[0], end=5) == hashes[1:]
 
 
 def test_lookup_returns_the_longest_hit_prefix_and_checks_tokens():
