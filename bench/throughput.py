@@ -246,7 +246,7 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     llm = LLM(model_dir, device="cuda", load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, prompt_graphs=not args.no_prompt_graphs,
-              pdl=not args.no_pdl,
+              pdl=not args.no_pdl, pipeline_depth=args.pipeline_depth,
               attention_backend=args.attention_backend,
               gpu_memory_utilization=args.gpu_memory_utilization)
     llm.generate(*warm_up(prompts), ignore_eos=True)
@@ -285,6 +285,7 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
         "--attention-backend", args.attention_backend, "--tp", str(args.tp),
         "--max-waiting-requests", "4096", "--step-timeout", "600",
         "--stream-interval", str(args.stream_interval), "--frontends", str(args.frontends),
+        "--pipeline-depth", str(args.pipeline_depth),
         *(["--enforce-eager"] if args.enforce_eager else []),
         *(["--no-prompt-graphs"] if args.no_prompt_graphs else []),
         *(["--no-pdl"] if args.no_pdl else [])]
@@ -336,6 +337,8 @@ def main() -> None:
     parser.add_argument("--no-pdl", action="store_true",
                         help="kernels without programmatic dependent launch (serve's --no-pdl)")
     parser.add_argument("--tp", type=int, default=1, help="split mode only")
+    parser.add_argument("--pipeline-depth", type=int, default=2,
+                        help="both modes: steps in flight at once (serve's --pipeline-depth)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="split mode only: serve's --stream-interval (tokens per message)")
     parser.add_argument("--frontends", type=int, default=1,
@@ -384,6 +387,7 @@ def _save(args, mode: str, result: dict) -> None:
     suffix += f"-fe{args.frontends}" if mode == "split" and args.frontends != 1 else ""
     suffix += "-spy" if mode == "split" and args.spy else ""
     suffix += "-nopdl" if args.no_pdl else ""
+    suffix += f"-pd{args.pipeline_depth}" if args.pipeline_depth != 2 else ""
     suffix += f"-{args.attention_backend}" if args.attention_backend != "auto" else ""
     name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))

@@ -46,6 +46,7 @@ class ControlPlaneConfig:
     max_waiting_requests: int = 1024
     max_logprobs: int = 20
     stream_interval: int = 1  # tokens a stream message waits for (the last may have fewer)
+    pipeline_depth: int = 2  # steps in flight at once (EngineConfig's)
     reattach_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
     link: LinkConfig = field(default_factory=LinkConfig)
@@ -72,7 +73,8 @@ class ControlPlaneConfig:
                                     enable_prefix_caching=self.enable_prefix_caching)
         return EngineConfig(scheduler=scheduler, reattach_timeout_s=self.reattach_timeout_s,
                             step_timeout_cap_s=self.link.step_timeout_s,
-                            stream_interval=self.stream_interval)
+                            stream_interval=self.stream_interval,
+                            pipeline_depth=self.pipeline_depth)
 
 
 class ControlPlane:

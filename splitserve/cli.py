@@ -60,7 +60,8 @@ def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
-        stream_interval=args.stream_interval, reattach_timeout_s=args.reattach_timeout,
+        stream_interval=args.stream_interval, pipeline_depth=args.pipeline_depth,
+        reattach_timeout_s=args.reattach_timeout,
         drain_timeout_s=args.drain_timeout, link=_link_config(args, server=True),
         num_frontends=args.frontends)
 

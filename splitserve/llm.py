@@ -67,10 +67,11 @@ class InProcessDataPlane:
 class LLM:
     def __init__(self, model: str | pathlib.Path, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, tune_gc: bool = True,
-                 **runner_options) -> None:
+                 enable_prefix_caching: bool = True, pipeline_depth: int = 2,
+                 tune_gc: bool = True, **runner_options) -> None:
         """`runner_options`: RunnerConfig's fields (device, dtype, block_size,
         gpu_memory_utilization, enforce_eager, attention_backend, load_format, ...).
+        `pipeline_depth`: steps in flight at once, as serve's --pipeline-depth.
         `tune_gc`: make this process's garbage collector run less often, as the servers do
         (common.process.tune_gc); it is process-wide, so pass False to keep yours."""
         self.model = ModelInfo.from_dir(model)
@@ -82,6 +83,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, max_logprobs=20))
         self.tokenizer = Tokenizer.from_dir(model, self.model.vocab_size)
+        self.pipeline_depth = pipeline_depth
         self.engine: Engine | None = None
         self.loop = asyncio.new_event_loop()
         self._tuned_gc = tune_gc
@@ -101,7 +103,8 @@ class LLM:
         if self.engine is None:
             # Nobody reads the streams before they end: one chunk per request, not per token.
             config = EngineConfig(self.scheduler_config,
-                                  stream_interval=self.scheduler_config.max_model_len)
+                                  stream_interval=self.scheduler_config.max_model_len,
+                                  pipeline_depth=self.pipeline_depth)
             self.engine = Engine(config, self.tokenizer, self.dataplane)
             self._task = asyncio.ensure_future(self.engine.run())
         await self.dataplane.attach()

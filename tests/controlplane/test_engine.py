@@ -73,13 +73,15 @@ def tokens_of(chunks):
 PROMPTS = {"a": [1, 2, 3, 4, 5], "b": [9, 8], "c": [7] * 11}
 
 
-def test_streams_complete_with_the_data_planes_tokens():
+@pytest.mark.parametrize("pipeline_depth", [1, 2, 3])
+def test_streams_complete_with_the_data_planes_tokens(pipeline_depth):
     async def body(engine, dp):
         streams = {rid: engine.add_request(make_request(rid, p, max_tokens=6))
                    for rid, p in PROMPTS.items()}
         return {rid: await collect(s) for rid, s in streams.items()}
 
-    results = run(body)
+    results = run(body, EngineConfig(SchedulerConfig(max_num_seqs=4, max_model_len=64),
+                                     pipeline_depth=pipeline_depth))
     for rid, chunks in results.items():
         assert tokens_of(chunks) == expected_tokens(PROMPTS[rid], 6)
         assert chunks[-1].finish_reason is FinishReason.LENGTH

@@ -108,6 +108,24 @@ def test_tiny_kv_cache_preempts_and_recomputes_identically(model, tmp_path):
     assert [c.token_ids for c in completions] == expected(model, prompts, max_tokens)
 
 
+def test_three_steps_in_flight_preempt_and_recompute_identically(checkpoints, tmp_path):
+    """--pipeline-depth 3: each step is scheduled two ahead of the tokens it follows, and
+    requests preempted with two tokens in flight come back once both are known."""
+    model = checkpoints["untied"]
+    prompts = [[(7 * i + j) % 320 for j in range(8)] for i in range(4)]
+    max_tokens = [24, 3, 24, 17]
+    server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "16",
+                           "--pipeline-depth", "3")
+    try:
+        completions = generate_all(server, prompts, max_tokens)
+        load = server.client.load()
+    finally:
+        server.stop()
+    assert load.num_preemptions > 0, "the test meant to force preemption"
+    assert load.kv_blocks_used == 0
+    assert [c.token_ids for c in completions] == expected(model, prompts, max_tokens)
+
+
 def test_tensor_parallel_2_equals_transformers(server, model, tmp_path):
     assert server.client.model_info().tp_size == 1
     tp2 = harness.serve(model, tmp_path, "--tp", "2", "--block-size", "4",

@@ -28,6 +28,19 @@ def test_in_process_greedy_equals_transformers(checkpoints):
     assert again[0].completion_tokens == 5 and again[0].finish_reason == "length"
 
 
+def test_in_process_greedy_with_three_steps_in_flight_equals_transformers(checkpoints):
+    model = checkpoints["untied"]
+    llm = LLM(model, block_size=4, num_kv_blocks=64, max_num_seqs=4, pipeline_depth=3)
+    prompts = [[5, 17, 99, 3], [11], list(range(60, 80))]
+    try:
+        completions = llm.generate(prompts, per_prompt=[{"max_tokens": n} for n in (10, 2, 7)],
+                                   temperature=0, ignore_eos=True)
+    finally:
+        llm.close()
+    assert [c.token_ids for c in completions] == [hf_greedy(model, p, n)
+                                                  for p, n in zip(prompts, (10, 2, 7))]
+
+
 def test_an_engine_that_stops_fails_generate_instead_of_hanging_it(checkpoints):
     """An answer that cannot be (a token outside the vocabulary) is a bug in the in-process data
     plane: the engine loop stops, and generate raises what stopped it."""
