@@ -7,12 +7,19 @@ and sees keys 0..that position. All keys are read from the cache through the blo
 
 One program handles BLOCK_Q consecutive queries of one request for the GROUP query heads of one
 kv head, stacked as BLOCK_M = BLOCK_Q * GROUP_P rows (row = query * GROUP_P + head), so each K/V
-tile is loaded once per kv head. The grid is (num_reqs, query tiles of the longest request,
-num_kv_heads), its second index counting a request's query tiles from the last: a kv head's
-programs start on the tiles that see the most keys and end on the lightest, and programs past a
-request's tiles return at once. Against a grid that walked each request's tiles first to last
-(found by a binary search), that order took ~2% off workload A's prompt step and 1.5-6% off long
-prompts (bench/results/h200/prefill_variants-c3b90bd.json, -7e587ce.json).
+tile is loaded once per kv head. Two grids:
+- last-first: (num_reqs, query tiles of the longest request, num_kv_heads), the second index
+  counting a request's query tiles from its last. The hardware starts a grid's programs in
+  order, first index fastest, so a kv head's programs run every request's last tile first and
+  end on the lightest tiles; programs past a request's tiles return at once.
+- searched: (num_tokens // BLOCK_Q + num_reqs, num_kv_heads). With t = query_start_loc[r] -
+  first_token (first_token: where this launch's tokens start), request r owns the programs
+  [t // BLOCK_Q + r, t' // BLOCK_Q + r + 1) (t' for r + 1), each request's tiles first to last,
+  found by a binary search over query_start_loc.
+Last-first took ~2% off workload A's prompt step and 1.5-6% off long prompts
+(bench/results/h200/prefill_variants-c3b90bd.json, -7e587ce.json) and is the default; a launch
+whose last-first grid would be mostly programs that return (a few long requests among many
+short ones) takes the searched grid.
 """
 
 import math
@@ -24,6 +31,20 @@ import triton.language as tl
 from dataplane.kernels.paged_inputs import check_paged_attention_inputs
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, program, num_reqs, first_token, BLOCK_Q: tl.constexpr):
+    """The last request r with (query_start_loc[r] - first_token) // BLOCK_Q + r <= program
+    (increasing in r)."""
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        first = (tl.load(query_start_loc_ptr + mid) - first_token) // BLOCK_Q + mid
+        lo = tl.where(first <= program, mid, lo)
+        hi = tl.where(first <= program, hi, mid)
+    return lo
 
 
 @triton.jit
@@ -64,29 +85,43 @@ def _attend_tiles(acc, m, l, q, k_cache_ptr, v_cache_ptr, bt_row, kv_offset, q_p
     return acc, m, l
 
 
-# Not specialized on the first token, the block-table row stride (the longest request's block
-# count in a step) or the alignment of the per-request arrays (slices [d:] of them after d
-# decodes): every value would otherwise be one of two or three variants, and a variant first
-# seen inside a served step compiles there (found on the H200: one such compile per run).
-@triton.jit(do_not_specialize=["first_token", "stride_bt_req", "block_tables_ptr",
+# Not specialized on the request count, the first token, the block-table row stride (the
+# longest request's block count in a step) or the alignment of the per-request arrays (slices
+# [d:] of them after d decodes): every value would otherwise be one of two or three variants,
+# and a variant first seen inside a served step compiles there (found on the H200: one such
+# compile per run).
+@triton.jit(do_not_specialize=["num_reqs", "first_token", "stride_bt_req", "block_tables_ptr",
                                "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    first_token, scale_log2e,
+    num_reqs, first_token, scale_log2e,
     stride_q_tok, stride_q_head, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_bt_req, stride_out_tok, stride_out_head,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, LAST_TILES_FIRST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + req)  # with the two above: one round trip, not two
-    q_start -= first_token  # an index into this launch's q and out
-    q_tile = tl.cdiv(q_len, BLOCK_Q) - 1 - tl.program_id(1)
-    if q_tile < 0:
-        return
+    if LAST_TILES_FIRST:  # grid (num_reqs, query tiles of the longest request, num_kv_heads)
+        req = tl.program_id(0)
+        kv_head = tl.program_id(2)
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + req)  # with the two above: one round trip, not two
+        q_start -= first_token  # an index into this launch's q and out
+        q_tile = tl.cdiv(q_len, BLOCK_Q) - 1 - tl.program_id(1)
+        if q_tile < 0:
+            return
+    else:  # grid (num_tokens // BLOCK_Q + num_reqs, num_kv_heads)
+        program = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        req = _find_request(query_start_loc_ptr, program, num_reqs, first_token, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        q_start -= first_token
+        q_tile = program - (q_start // BLOCK_Q + req)
+        if q_tile * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + req)
     num_cached = seq_len - q_len
 
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
@@ -105,7 +140,8 @@ def _prefill_kernel(
     first_pos = num_cached + q_tile * BLOCK_Q
     key_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
     # Keys before the first row's position need no mask. (Masking them too, so that one
-    # pipeline runs to the diagonal, was 1-15% slower except on prompts of 128-256 tokens.)
+    # pipeline runs to the diagonal, was 2-5% faster on prompts of 128-256 tokens, 0.4-2%
+    # slower at 512 and on workload A's step, 15-16% slower on long prompts.)
     num_full_tiles = (first_pos + 1) // BLOCK_N
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
     kv_offset = kv_head * stride_cache_head
@@ -132,10 +168,15 @@ def _prefill_kernel(
 # under 128 / 64 / 8 / 3 on two prompts of 8192 and on 2048-token chunks after 4096 cached
 # tokens, within 4% of the best there (tune_prefill-0e8014c.json).
 SMALL_TILES_MAX_QUERY = 1024
-# With the grid's last-first order, 3 stages beat 2 on workload A's steps (0.6B heads: 210 against
-# 215 us, twice; 8B: 381 against 383-384), tie at 512-token prompts and lose 1-3% at 128-256
-# (prefill_variants-c3b90bd.json, -7e587ce.json).
-THREE_STAGES_MIN_QUERY = 513
+# With the last-first grid, 3 stages beat 2 on workload A's steps (0.6B heads: 210 against 215
+# us, twice; 8B: 381 against 383-384) and on 512-token prompts at 0.6B heads (1%; a tie at 8B),
+# and lose 1-3% at 128-256 (prefill_variants-c3b90bd.json, -7e587ce.json).
+THREE_STAGES_MIN_QUERY = 512
+# The last-first grid has num_reqs x (the longest request's query tiles) programs a kv head, the
+# searched one about num_tokens / BLOCK_Q + num_reqs: on workload A's steps 1.7 times as many.
+# Past this ratio the launch takes the searched grid. (Not measured: what the programs that
+# return at once cost when they are most of a launch.)
+LAST_TILES_FIRST_MAX_GRID_RATIO = 2
 
 
 def _config(dtype: torch.dtype, head_dim: int, group_p: int, max_query_len: int) -> dict:
@@ -166,8 +207,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     first_token: the value query_start_loc starts at (on the host), e.g. d for the slice [d:] of
     a step's offsets whose first d one-token requests are served elsewhere; q and out then are
     the matching slices [d:] of the step's tokens.
-    config: tile settings over the defaults (BLOCK_Q, BLOCK_N, num_warps, num_stages), for
-    tuning. Returns out: [num_tokens, num_heads, head_dim]."""
+    config: settings over the defaults (BLOCK_Q, BLOCK_N, num_warps, num_stages, and
+    LAST_TILES_FIRST: which grid), for tuning and tests. Returns out: [num_tokens, num_heads,
+    head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_reqs = seq_lens.shape[0]
@@ -186,11 +228,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group_p = triton.next_power_of_2(group)
     max_query_len = max_query_len or num_tokens
     config = _config(q.dtype, head_dim, group_p, max_query_len) | (config or {})
-    grid = (num_reqs, triton.cdiv(max_query_len, config["BLOCK_Q"]), num_kv_heads)
-    assert grid[1] <= 65535, "a grid's second dimension holds 65535 programs at most"
+    num_q_tiles = triton.cdiv(max_query_len, config["BLOCK_Q"])
+    num_searched = num_tokens // config["BLOCK_Q"] + num_reqs
+    if "LAST_TILES_FIRST" not in config:
+        config["LAST_TILES_FIRST"] = num_q_tiles <= 65535 and (
+            num_reqs * num_q_tiles <= LAST_TILES_FIRST_MAX_GRID_RATIO * num_searched)
+    if config["LAST_TILES_FIRST"]:
+        assert num_q_tiles <= 65535, "a grid's second dimension holds 65535 programs at most"
+        grid = (num_reqs, num_q_tiles, num_kv_heads)
+    else:
+        grid = (num_searched, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        first_token, scale * LOG2E,
+        num_reqs, first_token, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=block_size, **config,

@@ -24,7 +24,7 @@ MIXED = [(7, 0), (1, 40), (70, 0), (1, 0), (33, 31), (0, 5), (129, 64), (16, 200
 
 
 def run_case(query_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-             device, gen, max_query_len=None):
+             device, gen, max_query_len=None, config=None):
     seq_lens = [q + c for q, c in zip(query_lens, cached_lens)]
     cache = make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
     q = randn(sum(query_lens), num_heads, head_dim, dtype=dtype, device=device, gen=gen)
@@ -33,7 +33,8 @@ def run_case(query_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_s
     scale = head_dim ** -0.5
     out = paged_prefill_attention(q, cache.k_cache, cache.v_cache, cache.block_tables,
                                   query_start_loc, lens, scale,
-                                  max_query_len=max_query_len or max(query_lens), out=nan_like(q))
+                                  max_query_len=max_query_len or max(query_lens), out=nan_like(q),
+                                  config=config)
     expected = paged_prefill_attention_ref(q, cache.k_cache, cache.v_cache, cache.block_tables,
                                            query_start_loc, lens, scale)
     assert_close(out, expected, dtype)
@@ -109,12 +110,34 @@ def test_random_batches(dtype, device, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("max_query_len", [200, 600])
+@pytest.mark.parametrize("last_tiles_first", [True, False])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (12, 4)])
-def test_a_loose_max_query_len(dtype, max_query_len, num_heads, num_kv_heads, device, gen):
-    """A bound above the longest query (the mixed batch's is 129): the grid's programs past a
-    request's last query tile return at once, and from 513 the 3-stage config runs."""
+def test_both_grids(dtype, last_tiles_first, num_heads, num_kv_heads, device, gen):
+    """Each grid on the mixed batch, whichever the launch would pick."""
     skip_unsupported(dtype, device)
     query_lens, cached_lens = zip(*MIXED)
     run_case(list(query_lens), list(cached_lens), num_heads, num_kv_heads, 128, 16, dtype,
-             device, gen, max_query_len=max_query_len)
+             device, gen, config=dict(LAST_TILES_FIRST=last_tiles_first))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("max_query_len", [200, 600])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (12, 4)])
+def test_a_loose_max_query_len(dtype, max_query_len, num_heads, num_kv_heads, device, gen):
+    """A bound above the longest query (the mixed batch's is 129): the last-first grid's
+    programs past a request's last query tile return at once (from 512, in 16-bit dtypes, with
+    the 3-stage config)."""
+    skip_unsupported(dtype, device)
+    query_lens, cached_lens = zip(*MIXED)
+    run_case(list(query_lens), list(cached_lens), num_heads, num_kv_heads, 128, 16, dtype,
+             device, gen, max_query_len=max_query_len, config=dict(LAST_TILES_FIRST=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_long_prompt_among_many_short_requests(dtype, device, gen):
+    """The launch a last-first grid would leave mostly idle (one long prompt, 40 requests of
+    1-3 tokens after cached ones) takes the searched grid."""
+    skip_unsupported(dtype, device)
+    query_lens = [1 + i % 3 for i in range(40)] + [300 if on_gpu(device) else 90]
+    cached_lens = [17 + i for i in range(40)] + [0]
+    run_case(query_lens, cached_lens, 16, 8, 128, 16, dtype, device, gen)
