@@ -74,6 +74,8 @@ class LLM:
         `pipeline_depth`: steps in flight at once, as serve's --pipeline-depth.
         `tune_gc`: make this process's garbage collector run less often, as the servers do
         (common.process.tune_gc); it is process-wide, so pass False to keep yours."""
+        if pipeline_depth < 1:  # before the weights load
+            raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
         self.model = ModelInfo.from_dir(model)
         max_model_len = max_model_len or self.model.max_position_embeddings
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,

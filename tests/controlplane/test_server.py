@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from controlplane.server import run_until_signal
+from controlplane.server import ControlPlaneConfig, run_until_signal
 
 
 def test_serve_stops_when_the_supervisor_of_its_data_plane_gives_up():
@@ -38,3 +38,9 @@ def test_serve_stops_when_the_supervisor_of_its_data_plane_gives_up():
         return stopped.is_set()
 
     assert asyncio.run(main())
+
+
+@pytest.mark.parametrize("field", ["pipeline_depth", "stream_interval"])
+def test_a_config_below_one_step_or_token_is_refused_naming_it(field, tmp_path):
+    with pytest.raises(ValueError, match=rf"{field} \(0\)"):
+        ControlPlaneConfig(model_dir=tmp_path, dataplane_address="ipc:///nowhere", **{field: 0})
