@@ -92,12 +92,12 @@ def test_load_returns_to_zero(server):
     assert load.kv_blocks_total == 256
 
 
-def test_tiny_kv_cache_preempts_and_recomputes_identically(model, tmp_path):
-    # Four requests that all fit when admitted (2 blocks of 4 each) and grow to 8 blocks each,
-    # in a cache of 16 blocks: the newest are preempted and recomputed as the others grow.
+def assert_preempted_and_recomputed_identically(model, tmp_path, max_tokens, *serve_args):
+    """Four requests that all fit when admitted (2 blocks of 4 each) and grow to up to 8 blocks
+    each, in a cache of 16 blocks: the newest are preempted and recomputed as the others grow."""
     prompts = [[(7 * i + j) % 320 for j in range(8)] for i in range(4)]
-    max_tokens = [24] * 4
-    server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "16")
+    server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "16",
+                           *serve_args)
     try:
         completions = generate_all(server, prompts, max_tokens)
         load = server.client.load()
@@ -106,24 +106,17 @@ def test_tiny_kv_cache_preempts_and_recomputes_identically(model, tmp_path):
     assert load.num_preemptions > 0, "the test meant to force preemption"
     assert load.kv_blocks_used == 0
     assert [c.token_ids for c in completions] == expected(model, prompts, max_tokens)
+
+
+def test_tiny_kv_cache_preempts_and_recomputes_identically(model, tmp_path):
+    assert_preempted_and_recomputed_identically(model, tmp_path, [24] * 4)
 
 
 def test_three_steps_in_flight_preempt_and_recompute_identically(checkpoints, tmp_path):
     """--pipeline-depth 3: each step is scheduled two ahead of the tokens it follows, and
     requests preempted with two tokens in flight come back once both are known."""
-    model = checkpoints["untied"]
-    prompts = [[(7 * i + j) % 320 for j in range(8)] for i in range(4)]
-    max_tokens = [24, 3, 24, 17]
-    server = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "16",
-                           "--pipeline-depth", "3")
-    try:
-        completions = generate_all(server, prompts, max_tokens)
-        load = server.client.load()
-    finally:
-        server.stop()
-    assert load.num_preemptions > 0, "the test meant to force preemption"
-    assert load.kv_blocks_used == 0
-    assert [c.token_ids for c in completions] == expected(model, prompts, max_tokens)
+    assert_preempted_and_recomputed_identically(checkpoints["untied"], tmp_path, [24, 3, 24, 17],
+                                                "--pipeline-depth", "3")
 
 
 def test_tensor_parallel_2_equals_transformers(server, model, tmp_path):
