@@ -93,10 +93,14 @@ class EngineConfig:
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        if self.reattach_timeout_s < 0 or self.max_step_failures < 1 or self.pipeline_depth < 1 \
-                or self.stream_interval < 1:
-            raise ValueError("need reattach_timeout_s >= 0, max_step_failures >= 1, "
-                             "pipeline_depth >= 1, stream_interval >= 1")
+        bad = [f"{name} ({value})" for name, value, low in (
+            ("reattach_timeout_s", self.reattach_timeout_s, 0),
+            ("max_step_failures", self.max_step_failures, 1),
+            ("pipeline_depth", self.pipeline_depth, 1),
+            ("stream_interval", self.stream_interval, 1)) if value < low]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: need reattach_timeout_s >= 0, and "
+                             "max_step_failures, pipeline_depth, stream_interval >= 1")
 
 
 class NotAccepting(Exception):

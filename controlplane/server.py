@@ -55,9 +55,9 @@ class ControlPlaneConfig:
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 0 or self.drain_timeout_s < 0 or self.num_frontends < 0:
             raise ValueError("max_waiting_requests, drain_timeout_s and frontends must be >= 0")
-        if self.pipeline_depth < 1 or self.stream_interval < 1:
-            raise ValueError(f"pipeline_depth ({self.pipeline_depth}) and stream_interval "
-                             f"({self.stream_interval}) must be >= 1")
+        # the engine's own checks, now rather than once a data plane has started
+        EngineConfig(reattach_timeout_s=self.reattach_timeout_s,
+                     stream_interval=self.stream_interval, pipeline_depth=self.pipeline_depth)
 
     @property
     def max_concurrent_rpcs(self) -> int:

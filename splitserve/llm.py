@@ -74,18 +74,19 @@ class LLM:
         `pipeline_depth`: steps in flight at once, as serve's --pipeline-depth.
         `tune_gc`: make this process's garbage collector run less often, as the servers do
         (common.process.tune_gc); it is process-wide, so pass False to keep yours."""
-        if pipeline_depth < 1:  # before the weights load
-            raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
         self.model = ModelInfo.from_dir(model)
         max_model_len = max_model_len or self.model.max_position_embeddings
-        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
-                                                enable_prefix_caching)
+        # Nobody reads the streams before they end: one chunk per request, not per token. (Built
+        # before the weights load, so that a bad value fails first.)
+        self.engine_config = EngineConfig(
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
+                            enable_prefix_caching),
+            stream_interval=max_model_len, pipeline_depth=pipeline_depth)
         self.runner = ModelRunner.load(RunnerConfig(model_dir=pathlib.Path(model), **runner_options))
         self.dataplane = InProcessDataPlane(self.runner, link_pb2.Configure(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, max_logprobs=20))
         self.tokenizer = Tokenizer.from_dir(model, self.model.vocab_size)
-        self.pipeline_depth = pipeline_depth
         self.engine: Engine | None = None
         self.loop = asyncio.new_event_loop()
         self._tuned_gc = tune_gc
@@ -103,11 +104,7 @@ class LLM:
 
     async def _generate(self, prompts, samplings: list[dict]) -> list[Completion]:
         if self.engine is None:
-            # Nobody reads the streams before they end: one chunk per request, not per token.
-            config = EngineConfig(self.scheduler_config,
-                                  stream_interval=self.scheduler_config.max_model_len,
-                                  pipeline_depth=self.pipeline_depth)
-            self.engine = Engine(config, self.tokenizer, self.dataplane)
+            self.engine = Engine(self.engine_config, self.tokenizer, self.dataplane)
             self._task = asyncio.ensure_future(self.engine.run())
         await self.dataplane.attach()
         while not self.engine.accepting:
@@ -133,8 +130,9 @@ class LLM:
 
     def _request(self, prompt, sampling: dict) -> Request:
         info = self.dataplane.info
-        limits = Limits(self.scheduler_config.max_model_len, self.model.vocab_size,
-                        min(self.scheduler_config.max_model_len, info.num_kv_blocks * info.block_size))
+        max_model_len = self.engine_config.scheduler.max_model_len
+        limits = Limits(max_model_len, self.model.vocab_size,
+                        min(max_model_len, info.num_kv_blocks * info.block_size))
         # (the ids go straight to the Request: through a proto they took ~50 us a prompt)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         validate_prompt(ids, "prompt", limits)
