@@ -12,6 +12,10 @@ real FrontendLink (the socket's other end is in this process), instead of being 
 
     python bench/engine_cpu.py [--repeat 3]
     python bench/engine_cpu.py --simulated-device --frontend-link --repeat 3
+
+Every run reports the process's CPU time a step (all its threads, the front-end's reading end
+included): with --simulated-device --frontend-link --stream-interval 1, the figure to hold
+against a split run's control_plane_cpu_ms_per_step on the same host.
 """
 
 import argparse
@@ -139,15 +143,16 @@ async def run_once(num_requests: int, stream_interval: int, simulated: bool,
             ).SerializeToString())).SerializeToString() for i, (prompt, params) in enumerate(requests)]
     else:  # added before the timed run, as before --frontend-link existed
         streams = added(engine, requests)
-    start, steps = time.perf_counter(), engine.num_steps
+    start, cpu, steps = time.perf_counter(), time.process_time(), engine.num_steps
     if through_frontend:
         await through_frontend_link(engine, calls)
     else:
         await drained(streams)
     seconds, steps = time.perf_counter() - start, engine.num_steps - steps
+    cpu = time.process_time() - cpu
     engine.close()
     await task
-    result = {"num_steps": steps, "seconds": seconds}
+    result = {"num_steps": steps, "seconds": seconds, "cpu_ms_per_step": 1e3 * cpu / steps}
     if simulated:
         result |= {"device_busy_s": dataplane.busy_s, "device_idle_s": dataplane.idle_s,
                    "first_step_ms": 1e3 * (dataplane.first_step_at - start)}

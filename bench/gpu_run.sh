@@ -43,6 +43,8 @@
 #                  bench-0.6b-spy: split with py-spy sampling the server's processes (carry
 #                  py-spy's wheel in .whl)
 #                  bench-0.6b-tp2: split at TP=2 (the two-GPU machine)
+#   engine-cpu     bench/engine_cpu.py on this host: the engine process's CPU a step against a
+#                  simulated H200 (streams through a FrontendLink, a message a token)
 #   serving-0.6b   bench/serving.py: Poisson arrivals, TTFT/TPOT/ITL, with and without a front-end
 #   serving-0.6b-pg  the same (one front-end) with and without piecewise graphs for prompt steps
 #                  (PG="on" or PG="off": only that one)
@@ -169,6 +171,8 @@ for stage in "$@"; do
     bench-0.6b-spy) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split \
              --spy /tmp/split.raw --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fe0) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --frontends 0 --out-dir "$OUT" 2>&1 | tail -20 ;;
+    engine-cpu) timeout 120 python3 bench/engine_cpu.py --stream-interval 1 --frontend-link \
+             --simulated-device --repeat 3 2>&1 | tee -a "$OUT/engine_cpu.jsonl" | cut -c1-400 ;;
     serving-0.6b) for fe in 1 0; do serving_06b fe$fe --frontends $fe; done ;;
     serving-0.6b-pg) for pg in ${PG:-on off}; do extra=(); [ $pg = off ] && extra=(--serve-arg=--no-prompt-graphs)
              serving_06b pg-$pg "${extra[@]}"; done ;;
