@@ -6,6 +6,7 @@ always has the next step queued while the host packs and sends the previous resu
 """
 
 import gc
+import itertools
 import pathlib
 import time
 from dataclasses import dataclass, replace
@@ -222,7 +223,7 @@ class ModelRunner:
         kv_cache.allocate_kv_cache(layers, num_blocks, self.block_size, self.dtype, self.device,
                                    self.backend)
         rows = min(limits.max_num_seqs, num_tokens)
-        logits = self._dummy_forward(num_tokens, num_blocks, rows)
+        logits = self._dummy_forward([num_tokens], num_blocks, rows)
         if logits is not None:  # every sampling feature at once
             batch = SamplingBatch.same_for_all(rows, self.device, top_k=50, top_p=0.9, min_p=0.1,
                                                penalty=1.0, repetition_penalty=1.1,
@@ -237,24 +238,32 @@ class ModelRunner:
             layer.bind_kv_cache(torch.empty(0), torch.empty(0), self.backend)
 
     def _compile_kernels(self, limits: BatchLimits, num_blocks: int) -> None:
-        """One eager prompt step per power-of-two length and two eager decode steps (one long
+        """Eager prompt steps at each power-of-two length and two eager decode steps (one long
         request, whose tiles are merged across programs; a full batch of short ones), so that
         every kernel variant a served step launches compiles now and not inside one: a Triton
-        compile holds the GIL for up to seconds, which would silence the link's heartbeats. (The
-        torch backend's attention has no kernels: two short prompt steps meet the layers' kernels
-        at decode sizes, which the profiling step's full batch does not: at 2 tokens the decode
-        GEMMs, at 64 the split-K ones and the variants launched with PDL, kernels/pdl.py.)"""
+        compile holds the GIL for up to seconds, which would silence the link's heartbeats, and
+        stalls the step (a second of split mode's workload A at 127bf0b). At each length one
+        step is a single prompt and one a lopsided batch, a prompt of half the tokens followed
+        by one-token requests: the prefill kernel takes another grid for that layout
+        (kernels/paged_prefill_attention.py), as for a mixed step's long chunk among short ones.
+        (The torch backend's attention has no kernels: two short prompt steps meet the layers'
+        kernels at decode sizes, which the profiling step's full batch does not: at 2 tokens the
+        decode GEMMs, at 64 the split-K ones and the variants launched with PDL,
+        kernels/pdl.py.)"""
         logits = None
         if self.backend.name == "torch":
             for num_tokens in sorted({2, min(64, limits.max_num_batched_tokens)}):
-                logits = self._dummy_forward(num_tokens, num_blocks, 1, store=False)
+                logits = self._dummy_forward([num_tokens], num_blocks, 1, store=False)
         else:
             self._dummy_decode(1, limits.max_model_len, num_blocks)
             self._dummy_decode(limits.max_num_seqs, min(limits.max_model_len, 64), num_blocks)
             num_tokens = 2
             while True:
                 num_tokens = min(num_tokens, limits.max_num_batched_tokens)
-                logits = self._dummy_forward(num_tokens, num_blocks, 1, store=False)
+                half = num_tokens // 2
+                self._dummy_forward([num_tokens - half] + [1] * half, num_blocks, 1, store=False,
+                                    max_query_len=num_tokens)
+                logits = self._dummy_forward([num_tokens], num_blocks, 1, store=False)
                 if num_tokens == limits.max_num_batched_tokens:
                     break
                 num_tokens *= 2
@@ -302,23 +311,28 @@ class ModelRunner:
                 torch.full((num_reqs,), seq_len - 1, device=self.device)))
 
     @torch.inference_mode()
-    def _dummy_forward(self, num_tokens: int, num_blocks: int, rows: int,
-                       store: bool = True) -> torch.Tensor | None:
-        """A forward of one prompt of num_tokens over the bound KV cache (blocks reused modulo
-        num_blocks); store=False leaves the cache untouched. Returns the last `rows` logits."""
+    def _dummy_forward(self, query_lens: list[int], num_blocks: int, rows: int,
+                       store: bool = True, max_query_len: int | None = None
+                       ) -> torch.Tensor | None:
+        """A forward of prompts of query_lens tokens over the bound KV cache (every request on
+        the same blocks, reused modulo num_blocks); store=False leaves the cache untouched.
+        max_query_len: the host's bound on the query lengths (default: the longest). Returns
+        the last `rows` logits."""
         arange = lambda n: torch.arange(n, device=self.device)  # noqa: E731
-        blocks = arange(-(-num_tokens // self.block_size)) % num_blocks
+        num_tokens, num_reqs, longest = sum(query_lens), len(query_lens), max(query_lens)
+        blocks = arange(-(-longest // self.block_size)) % num_blocks
         slots = arange(num_tokens) if store else torch.full((num_tokens,), -1, device=self.device)
+        starts = [0, *itertools.accumulate(query_lens)]
         ctx = ForwardContext(
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            slot_mapping=slots, block_tables=blocks.int()[None],
-            logits_indices=arange(num_tokens)[-rows:], max_query_len=num_tokens,
-            max_seq_len=num_tokens, query_start_loc_host=[0, num_tokens],
-            seq_lens_host=[num_tokens])
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=self.device),
+            slot_mapping=slots, block_tables=blocks.int()[None].expand(num_reqs, -1).contiguous(),
+            logits_indices=arange(num_tokens)[-rows:], max_query_len=max_query_len or longest,
+            max_seq_len=longest, query_start_loc_host=starts, seq_lens_host=list(query_lens))
+        positions = torch.cat([arange(n) for n in query_lens])
         with forward_context(ctx):
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-                                arange(num_tokens))
+                                positions)
             return self.model.compute_logits(hidden)
 
     # -- steps ---------------------------------------------------------------------------------

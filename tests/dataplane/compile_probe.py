@@ -16,6 +16,8 @@ import random
 from splitserve.llm import LLM
 
 LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 129, 250, 300]
+LONG_BUDGET = 1024
+LONG_PROMPT = 700  # with 3 pipeline stages (its longest query is over 512)
 
 
 def compiled_kernels() -> set[str]:
@@ -43,9 +45,12 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=64)
     args = parser.parse_args()
-    llm = LLM(args.model_dir, device="cuda", max_num_seqs=16, max_num_batched_tokens=64,
-              max_model_len=512, dtype=args.dtype, attention_backend=args.attention_backend)
+    budget = args.max_num_batched_tokens
+    llm = LLM(args.model_dir, device="cuda", max_num_seqs=16, max_num_batched_tokens=budget,
+              max_model_len=max(512, budget), dtype=args.dtype,
+              attention_backend=args.attention_backend)
     try:
         llm.loop.run_until_complete(llm.dataplane.attach())
         before = compiled_kernels()
@@ -56,6 +61,9 @@ def main() -> None:
         llm.generate(prompts, per_prompt, ignore_eos=True)
         for size in (1, 3):  # small batches from the start
             llm.generate(prompts[-size:], per_prompt[-size:], ignore_eos=True)
+        if budget >= LONG_BUDGET:  # 989 tokens in one step, the long prompt first
+            long = [rng.randrange(vocab) for _ in range(LONG_PROMPT)]
+            llm.generate([long, *prompts[:11]], per_prompt[:12], ignore_eos=True)
         after = compiled_kernels()
     finally:
         llm.close()

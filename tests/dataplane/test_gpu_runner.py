@@ -158,17 +158,21 @@ def test_prompt_graphs_give_the_eager_logits(checkpoints, moe_checkpoints, name)
         torch.testing.assert_close(graphs, eager, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("model,dtype,backend", [("untied", "auto", "auto"),
-                                                 ("default", "bfloat16", "auto"),
-                                                 ("untied", "auto", "torch")])
-def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, model, dtype, backend):
+@pytest.mark.parametrize("model,dtype,backend,budget", [("untied", "auto", "auto", 64),
+                                                        ("default", "bfloat16", "auto", 64),
+                                                        ("default", "bfloat16", "auto", 1024),
+                                                        ("untied", "auto", "torch", 64)])
+def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, model, dtype, backend,
+                                                   budget):
     """A kernel variant that first compiles inside a served step stalls that step for a second
     or more (split mode lost 10-15% of workload A to one, until 1961f62): configure's warm-up must
     meet every variant the steps launch. A fresh Triton cache shows what compiles when. In the
     tiny checkpoint's float32; in bf16 on the default model, whose shapes fit the decode GEMM's
     bf16 tiles (the tiny checkpoint's hidden size of 64 does not: cuBLAS), both its row tile
-    sizes met by the probe's decode batches and 33-64-token prompt steps; and with the torch
-    attention backend (the other kernels are still ours)."""
+    sizes met by the probe's decode batches and 33-64-token prompt steps, and with a budget of
+    1024 tokens a step of a long prompt among short ones (the prefill kernel's other grid,
+    which compiled inside workload A's steps at 127bf0b); and with the torch attention backend
+    (the other kernels are still ours)."""
     if model == "default":  # test_decode_matmul.py checks that its shapes take the GEMM
         checkpoint = tmp_path / "default"
         write_default_model(checkpoint)
@@ -176,7 +180,8 @@ def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, model,
         checkpoint = checkpoints[model]
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     probe = subprocess.run([sys.executable, "-m", "tests.dataplane.compile_probe",
-                            str(checkpoint), "--dtype", dtype, "--attention-backend", backend],
+                            str(checkpoint), "--dtype", dtype, "--attention-backend", backend,
+                            "--max-num-batched-tokens", str(budget)],
                            env=env, capture_output=True, text=True, timeout=500)
     assert probe.returncode == 0, probe.stderr[-4000:]
     assert json.loads(probe.stdout.splitlines()[-1]) == []
