@@ -8,7 +8,7 @@ import grpc
 
 from common.model_info import ModelInfo
 from controlplane.engine import Engine, NotAccepting
-from controlplane.streams import Chunk
+from controlplane.streams import Chunk, RequestStream
 from controlplane.request import FinishReason, Request
 from controlplane.validation import Limits, ValidationError, sampling_params, validate_prompt, \
     validate_request_id
@@ -43,6 +43,19 @@ def chunk_to_proto(request_id: str, chunk: Chunk) -> generation_pb2.GenerateResp
     return response
 
 
+def chunk_replies(request_id: str, chunk: Chunk
+                  ) -> tuple[generation_pb2.GenerateResponse | None, tuple[grpc.StatusCode, str] | None]:
+    """What a stream's chunk becomes: the response to send (None: nothing) and, when the
+    request failed, the status that ends the call (its tokens before the failure still go out,
+    in a response without a finish reason)."""
+    error = _ERROR_STATUS.get(chunk.finish_reason)
+    if error is None:
+        return chunk_to_proto(request_id, chunk), None
+    if not chunk.token_ids:
+        return None, error
+    return chunk_to_proto(request_id, dataclasses.replace(chunk, finish_reason=None)), error
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine, model: ModelInfo, max_model_len: int,
                  max_waiting_requests: int, max_logprobs: int) -> None:
@@ -73,7 +86,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             validate_prompt(ids, "input.token_ids.ids", limits, is_unsigned=True)
         return ids
 
-    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def open_stream(self, request: generation_pb2.GenerateRequest,
+                          context: grpc.aio.ServicerContext) -> tuple[str, RequestStream]:
+        """Generate's start: the request checked and added to the engine. Returns its id and
+        stream; ends the call through `context.abort` when it is refused."""
         if not self.engine.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining" if
                                 self.engine.draining else "no data plane is attached")
@@ -98,16 +114,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                      self.model.eos_token_ids))
         except NotAccepting as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return request_id, stream
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        request_id, stream = await self.open_stream(request, context)
         done = False
         try:
             async for chunk in stream:
-                if chunk.finish_reason in _ERROR_STATUS:
-                    done = True
-                    if chunk.token_ids:  # tokens that came before the failure still go out
-                        yield chunk_to_proto(request_id, dataclasses.replace(chunk,
-                                                                             finish_reason=None))
-                    await context.abort(*_ERROR_STATUS[chunk.finish_reason])
-                yield chunk_to_proto(request_id, chunk)
+                response, error = chunk_replies(request_id, chunk)
+                done = error is not None
+                if response is not None:
+                    yield response
+                if error is not None:
+                    await context.abort(*error)
             done = True
         finally:
             if not done:  # the client cancelled, dropped the stream or its deadline passed

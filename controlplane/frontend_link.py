@@ -1,7 +1,8 @@
 """The engine process's end of its gRPC front-ends (controlplane/frontend.py): a ZeroMQ ROUTER on
 a private ipc:// socket. Each forwarded call runs the GenerationServicer method it names, as a
 gRPC server would, with a context whose `abort` ends the call with that status; its responses go
-back serialized. Everything that one turn of the loop produced for a front-end leaves as one
+back serialized. Generate runs as the servicer's `open_stream` and a sink on the request's
+stream, which writes each response as the engine releases it: no task switch per message. Everything that one turn of the loop produced for a front-end leaves as one
 message (protos/frontend.proto): the engine wakes 16 streams a turn (engine._RELEASE_BATCH), so
 a step of 256 streams costs it 16 sends instead of 256 gRPC writes, which run, one per stream,
 in the front-end's process on another core.
@@ -17,8 +18,9 @@ import zmq.asyncio
 from google.protobuf.message import DecodeError
 
 from common.transport import unbounded_socket
-from controlplane.api_server import GenerationServicer
+from controlplane.api_server import GenerationServicer, chunk_replies
 from controlplane.grpc_server import SERVICE
+from controlplane.streams import Chunk
 from protos import frontend_pb2, generation_pb2
 
 log = logging.getLogger("splitserve.frontend")
@@ -47,6 +49,7 @@ class FrontendLink:
     def __init__(self, address: str, servicer: GenerationServicer, serving) -> None:
         self.address = address
         self.serving = serving
+        self._servicer = servicer
         self.on_hello = lambda port: None  # a front-end serves gRPC on `port`
         # method name -> (handler, request type, streams responses)
         self._methods = {m.name: (getattr(servicer, m.name),
@@ -122,7 +125,9 @@ class FrontendLink:
         try:
             handler, request_type, streams = self._methods[call.method]
             request = request_type.FromString(call.request)
-            if streams:
+            if call.method == "Generate":
+                await self._generate(identity, call.call_id, request)
+            elif streams:
                 async for response in handler(request, _CallContext()):
                     self._reply(identity, call.call_id, response.SerializeToString())
             else:
@@ -137,6 +142,37 @@ class FrontendLink:
             log.exception("call %s failed", call.method)
             self._reply(identity, call.call_id, done=(grpc.StatusCode.INTERNAL,
                                                       f"{call.method} failed in the server"))
+
+    async def _generate(self, identity: bytes, call_id: int,
+                        request: generation_pb2.GenerateRequest) -> None:
+        """Generate, its responses written by a sink on the request's stream as the engine
+        releases it (controlplane/streams.py), not by this task woken for each. Returns when
+        the request ended well; raises _Aborted with its status when it failed."""
+        request_id, stream = await self._servicer.open_stream(request, _CallContext())
+        ended: asyncio.Future[tuple[grpc.StatusCode, str] | None] = \
+            asyncio.get_running_loop().create_future()
+
+        def deliver(chunk: Chunk) -> None:
+            if ended.done():
+                return
+            try:
+                response, error = chunk_replies(request_id, chunk)
+                if response is not None:
+                    self._reply(identity, call_id, response.SerializeToString())
+                if chunk.finish_reason is not None:
+                    ended.set_result(error)
+            except Exception as e:  # (raised here, it would fail the engine's loop)
+                ended.set_exception(e)
+
+        stream.push_to(deliver)
+        try:
+            error = await ended
+        finally:
+            if not ended.done() or ended.cancelled() or ended.exception() is not None:
+                stream.push_to(None)  # the client went away, or the sink failed
+                self._servicer.engine.abort(request_id)
+        if error is not None:
+            raise _Aborted(*error)
 
     def _forget_call(self, key: tuple[bytes, int], task: asyncio.Task) -> None:
         if self._calls.get(key) is task:

@@ -3,9 +3,11 @@ calls does not hold the engine's next step back; the front-end's merging of Gene
 that piled up for one stream."""
 
 import asyncio
+import contextlib
 import time
 import types
 
+import grpc
 import pytest
 import zmq
 import zmq.asyncio
@@ -15,6 +17,7 @@ from common.transport import private_ipc_address
 from controlplane.api_server import GenerationServicer
 from controlplane.engine import Engine, EngineConfig
 from controlplane.frontend import _merged
+from controlplane import frontend_link
 from controlplane.frontend_link import SERVICE, FrontendLink
 from controlplane.scheduler import SchedulerConfig
 from controlplane.tokenizer import Tokenizer
@@ -66,9 +69,8 @@ def test_calls_cancelled_before_they_start_are_forgotten():
     arrive back to back. Whether the call's task ran before the cancel was read or is cancelled
     before it first runs (it then never enters _run's finally), it must leave the link's table
     of calls."""
-    async def generate(request, context):
+    async def open_stream(request, context):  # (Generate's start, as the link calls it)
         await asyncio.sleep(60)
-        yield pb.GenerateResponse()
 
     async def get_load(request, context):
         return pb.Load(num_running=7)
@@ -79,7 +81,7 @@ def test_calls_cancelled_before_they_start_are_forgotten():
 
     async def main():
         servicer = types.SimpleNamespace(**{m.name: None for m in SERVICE.methods})
-        servicer.Generate, servicer.GetLoad = generate, get_load
+        servicer.open_stream, servicer.GetLoad = open_stream, get_load
         link = FrontendLink(private_ipc_address("frontend"), servicer, serving=lambda: True)
         await link.start()
         frontend = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -118,38 +120,93 @@ def test_a_burst_of_calls_does_not_hold_the_first_step_behind_all_their_admissio
 
     async def main():
         dataplane = Recording(num_kv_blocks=256)
-        dataplane.connect()
-        engine = dataplane.engine = Engine(
-            EngineConfig(SchedulerConfig(max_num_seqs=64, max_model_len=64)),
-            Tokenizer(build_tokenizer(320), 320), dataplane)
-        task = asyncio.create_task(engine.run())
-        while not engine.accepting:
-            await asyncio.sleep(0)
-        model = ModelInfo("m", "none", "Qwen3ForCausalLM", 320, 64, (), "float32")
-        link = FrontendLink(private_ipc_address("frontend"),
-                            GenerationServicer(engine, model, 64, 64, 20), serving=lambda: True)
-        await link.start()
-        frontend = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        frontend.setsockopt(zmq.LINGER, 0)
-        frontend.connect(link.address)
-        for call_id in range(40):
-            await frontend.send(frontend_pb2.ToEngine(call=frontend_pb2.Call(
-                call_id=call_id, method="Generate", request=pb.GenerateRequest(
-                    token_ids=pb.TokenIds(ids=[1, 2, 3, call_id + 4]),
-                    sampling=pb.SamplingParams(max_tokens=2)).SerializeToString()))
-                .SerializeToString())
-        time.sleep(0.2)  # (blocking: the loop reads nothing while ZeroMQ delivers the burst)
-        num_done = 0
-        while num_done < 40:
-            message = frontend_pb2.ToFrontend.FromString(await asyncio.wait_for(frontend.recv(), 10))
-            num_done += sum(r.done for r in message.replies)
+        async with engine_behind_a_link(dataplane) as (engine, frontend):
+            dataplane.engine = engine
+            for call_id in range(40):
+                await frontend.send(generate_call(call_id, [1, 2, 3, call_id + 4]))
+            time.sleep(0.2)  # (blocking: the loop reads nothing while ZeroMQ delivers the burst)
+            await replies_until_done(frontend, 40)
+        return dataplane.admitted_at_first_step
+
+    assert 1 <= asyncio.run(main()) < 40
+
+
+def test_a_generate_call_whose_responses_fail_ends_internal_and_the_rest_are_served(monkeypatch):
+    """The link writes Generate's responses from a sink on the engine's stack: a failure there
+    ends that call INTERNAL and aborts its request (its blocks freed), and neither the engine's
+    loop nor the other calls notice."""
+    real = frontend_link.chunk_replies
+
+    def failing(request_id, chunk):
+        if request_id == "bad" and chunk.token_ids:
+            raise RuntimeError("cannot write this response")
+        return real(request_id, chunk)
+    monkeypatch.setattr(frontend_link, "chunk_replies", failing)
+
+    async def main():
+        async with engine_behind_a_link(FakeDataPlane(num_kv_blocks=256)) as (engine, frontend):
+            for call_id, request_id in enumerate(["good-1", "bad", "good-2"]):
+                await frontend.send(generate_call(call_id, [1, 2, 3, call_id + 4], request_id,
+                                                  max_tokens=8))
+            replies = await replies_until_done(frontend, 3)
+            while engine.streams:  # (the abort runs once the call's task has its failure)
+                await asyncio.sleep(0.01)
+            return replies, engine.load()
+
+    replies, load = asyncio.run(main())
+    ends = {r.call_id: r.status_code for r in replies if r.done}
+    tokens = {call_id: sum(len(pb.GenerateResponse.FromString(m).token_ids)
+                           for r in replies if r.call_id == call_id for m in r.messages)
+              for call_id in range(3)}
+    assert ends == {0: grpc.StatusCode.OK.value[0], 1: grpc.StatusCode.INTERNAL.value[0],
+                    2: grpc.StatusCode.OK.value[0]}
+    assert tokens[0] == tokens[2] == 8 and tokens[1] == 0
+    assert load[:3] == (0, 0, 0)  # nothing running or waiting, no KV block held
+
+
+@contextlib.asynccontextmanager
+async def engine_behind_a_link(dataplane: FakeDataPlane):
+    """A running engine on `dataplane`, a FrontendLink serving its GenerationServicer, and a
+    front-end's socket connected to it; all closed on exit."""
+    dataplane.connect()
+    engine = Engine(EngineConfig(SchedulerConfig(max_num_seqs=64, max_model_len=64)),
+                    Tokenizer(build_tokenizer(320), 320), dataplane)
+    task = asyncio.create_task(engine.run())
+    while not engine.accepting:
+        await asyncio.sleep(0)
+    model = ModelInfo("m", "none", "Qwen3ForCausalLM", 320, 64, (), "float32")
+    link = FrontendLink(private_ipc_address("frontend"),
+                        GenerationServicer(engine, model, 64, 64, 20), serving=lambda: True)
+    await link.start()
+    frontend = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    frontend.setsockopt(zmq.LINGER, 0)
+    frontend.connect(link.address)
+    try:
+        yield engine, frontend
+    finally:
         frontend.close()
         await link.close()
         engine.close()
         await task
-        return dataplane.admitted_at_first_step
 
-    assert 1 <= asyncio.run(main()) < 40
+
+def generate_call(call_id: int, token_ids: list[int], request_id: str = "",
+                  max_tokens: int = 2) -> bytes:
+    return frontend_pb2.ToEngine(call=frontend_pb2.Call(
+        call_id=call_id, method="Generate", request=pb.GenerateRequest(
+            request_id=request_id, token_ids=pb.TokenIds(ids=token_ids),
+            sampling=pb.SamplingParams(max_tokens=max_tokens)).SerializeToString())
+    ).SerializeToString()
+
+
+async def replies_until_done(frontend: zmq.asyncio.Socket, num_calls: int
+                             ) -> list[frontend_pb2.Reply]:
+    """Every reply the front-end's socket gets until `num_calls` calls ended."""
+    replies = []
+    while sum(r.done for r in replies) < num_calls:
+        message = frontend_pb2.ToFrontend.FromString(await asyncio.wait_for(frontend.recv(), 10))
+        replies.extend(message.replies)
+    return replies
 
 
 def test_a_malformed_message_is_dropped_and_the_link_serves_on():
