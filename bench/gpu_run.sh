@@ -48,6 +48,7 @@
 #   serving-0.6b   bench/serving.py: Poisson arrivals, TTFT/TPOT/ITL, with and without a front-end
 #   serving-0.6b-pg  the same (one front-end) with and without piecewise graphs for prompt steps
 #                  (PG="on" or PG="off": only that one)
+#   serving-0.6b-pd  the same (one front-end) at two and three steps in flight (--pipeline-depth)
 # A machine takes ~40 s to start. Set SPLITSERVE_COMMIT to the hash, written out in the command
 # (the device machine's copy of the tree may carry a stale .git: `git rev-parse` there once
 # reported an older commit than the tree it ran):
@@ -176,6 +177,7 @@ for stage in "$@"; do
     serving-0.6b) for fe in 1 0; do serving_06b fe$fe --frontends $fe; done ;;
     serving-0.6b-pg) for pg in ${PG:-on off}; do extra=(); [ $pg = off ] && extra=(--serve-arg=--no-prompt-graphs)
              serving_06b pg-$pg "${extra[@]}"; done ;;
+    serving-0.6b-pd) for pd in 2 3; do serving_06b pd$pd --serve-arg=--pipeline-depth=$pd; done ;;
     bench-0.6b-tp2) timeout 400 python3 bench/throughput.py --model qwen3-0.6b --modes split --tp 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;
   esac
