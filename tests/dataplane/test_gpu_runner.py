@@ -187,10 +187,14 @@ def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, model,
     assert json.loads(probe.stdout.splitlines()[-1]) == []
 
 
-def test_serve_on_cuda_equals_transformers(checkpoints, tmp_path):
+@pytest.mark.parametrize("pipeline_depth", [2, 3])
+def test_serve_on_cuda_equals_transformers(checkpoints, tmp_path, pipeline_depth):
+    """Through the whole split stack on CUDA, with the default two steps in flight and with
+    three (rank 0 then submits a step while two are queued on the device)."""
     model = checkpoints["untied"]
     server = harness.serve(model, tmp_path, "--device", "cuda", "--dtype", "float32",
-                           "--gpu-memory-utilization", "0.3")
+                           "--gpu-memory-utilization", "0.3",
+                           "--pipeline-depth", str(pipeline_depth))
     try:
         completions = [server.client.generate(p, max_tokens=16, temperature=0, ignore_eos=True)
                        for p in PROMPTS]
