@@ -14,8 +14,9 @@ real FrontendLink (the socket's other end is in this process), instead of being 
     python bench/engine_cpu.py --simulated-device --frontend-link --repeat 3
 
 Every run reports the process's CPU time a step (all its threads, the front-end's reading end
-included): with --simulated-device --frontend-link --stream-interval 1, the figure to hold
-against a split run's control_plane_cpu_ms_per_step on the same host.
+included): with --simulated-device --frontend-link --stream-interval 1 it follows a split
+run's control_plane_cpu_ms_per_step on the same host, 0.3-0.9 ms a step above it on the H200
+hosts (bench/README.md, twenty-second session).
 """
 
 import argparse

@@ -173,7 +173,8 @@ for stage in "$@"; do
              --spy /tmp/split.raw --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fe0) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --frontends 0 --out-dir "$OUT" 2>&1 | tail -20 ;;
     engine-cpu) timeout 120 python3 bench/engine_cpu.py --stream-interval 1 --frontend-link \
-             --simulated-device --repeat 3 2>&1 | tee -a "$OUT/engine_cpu.jsonl" | cut -c1-400 ;;
+             --simulated-device --repeat 3 2>>"$OUT/engine_cpu.log" | tee -a "$OUT/engine_cpu.jsonl" \
+             | cut -c1-400 ;;
     serving-0.6b) for fe in 1 0; do serving_06b fe$fe --frontends $fe; done ;;
     serving-0.6b-pg) for pg in ${PG:-on off}; do extra=(); [ $pg = off ] && extra=(--serve-arg=--no-prompt-graphs)
              serving_06b pg-$pg "${extra[@]}"; done ;;

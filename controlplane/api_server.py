@@ -43,8 +43,8 @@ def chunk_to_proto(request_id: str, chunk: Chunk) -> generation_pb2.GenerateResp
     return response
 
 
-def chunk_replies(request_id: str, chunk: Chunk
-                  ) -> tuple[generation_pb2.GenerateResponse | None, tuple[grpc.StatusCode, str] | None]:
+def chunk_replies(request_id: str, chunk: Chunk) -> tuple[
+        generation_pb2.GenerateResponse | None, tuple[grpc.StatusCode, str] | None]:
     """What a stream's chunk becomes: the response to send (None: nothing) and, when the
     request failed, the status that ends the call (its tokens before the failure still go out,
     in a response without a finish reason)."""
@@ -130,7 +130,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             done = True
         finally:
             if not done:  # the client cancelled, dropped the stream or its deadline passed
-                self.engine.abort(request_id)
+                self.close_stream(request_id, stream)
+
+    def close_stream(self, request_id: str, stream: RequestStream) -> None:
+        """The call of `stream` went away before its end: abort its request, if that is still
+        the live request of this id (a new call may have taken a client-chosen id since)."""
+        if self.engine.streams.get(request_id) is stream:
+            self.engine.abort(request_id)
 
     async def Abort(self, request: generation_pb2.AbortRequest, context) -> generation_pb2.AbortResponse:
         num = sum(self.engine.abort(request_id) for request_id in set(request.request_ids))

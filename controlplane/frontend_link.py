@@ -2,8 +2,9 @@
 a private ipc:// socket. Each forwarded call runs the GenerationServicer method it names, as a
 gRPC server would, with a context whose `abort` ends the call with that status; its responses go
 back serialized. Generate runs as the servicer's `open_stream` and a sink on the request's
-stream, which writes each response as the engine releases it: no task switch per message. Everything that one turn of the loop produced for a front-end leaves as one
-message (protos/frontend.proto): the engine wakes 16 streams a turn (engine._RELEASE_BATCH), so
+stream, which writes each response as the engine releases it: no task switch per message.
+Everything that one turn of the loop produced for a front-end leaves as one message
+(protos/frontend.proto): the engine wakes 16 streams a turn (engine._RELEASE_BATCH), so
 a step of 256 streams costs it 16 sends instead of 256 gRPC writes, which run, one per stream,
 in the front-end's process on another core.
 """
@@ -170,7 +171,7 @@ class FrontendLink:
         finally:
             if not ended.done() or ended.cancelled() or ended.exception() is not None:
                 stream.push_to(None)  # the client went away, or the sink failed
-                self._servicer.engine.abort(request_id)
+                self._servicer.close_stream(request_id, stream)
         if error is not None:
             raise _Aborted(*error)
 

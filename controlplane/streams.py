@@ -70,8 +70,8 @@ class RequestStream:
     Two kinds of consumer: a task iterating the stream (`async for`), or a sink (`push_to`), a
     function the engine's loop calls with each chunk where it would wake that task. A sink
     costs no task switch, future or generator frames per message: the engine process's
-    front-end link serves every Generate call through one (ten microseconds or so a message
-    less, for hundreds of messages a step)."""
+    front-end link serves every Generate call through one (~5 us of CPU a message less on
+    bench/engine_cpu.py, for a hundred or more messages a step)."""
 
     def __init__(self, request: Request, detokenizer: IncrementalDetokenizer,
                  releases: Releases, interval: int = 1) -> None:

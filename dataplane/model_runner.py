@@ -315,9 +315,10 @@ class ModelRunner:
                        store: bool = True, max_query_len: int | None = None
                        ) -> torch.Tensor | None:
         """A forward of prompts of query_lens tokens over the bound KV cache (every request on
-        the same blocks, reused modulo num_blocks); store=False leaves the cache untouched.
-        max_query_len: the host's bound on the query lengths (default: the longest). Returns
-        the last `rows` logits."""
+        the same blocks, reused modulo num_blocks, so only a single prompt may store); store=False
+        leaves the cache untouched. max_query_len: the host's bound on the query lengths
+        (default: the longest). Returns the last `rows` logits."""
+        assert not store or len(query_lens) == 1, "requests on shared blocks must not store"
         arange = lambda n: torch.arange(n, device=self.device)  # noqa: E731
         num_tokens, num_reqs, longest = sum(query_lens), len(query_lens), max(query_lens)
         blocks = arange(-(-longest // self.block_size)) % num_blocks
@@ -329,7 +330,9 @@ class ModelRunner:
             slot_mapping=slots, block_tables=blocks.int()[None].expand(num_reqs, -1).contiguous(),
             logits_indices=arange(num_tokens)[-rows:], max_query_len=max_query_len or longest,
             max_seq_len=longest, query_start_loc_host=starts, seq_lens_host=list(query_lens))
-        positions = torch.cat([arange(n) for n in query_lens])
+        lens = torch.tensor(query_lens, device=self.device)
+        positions = arange(num_tokens) - torch.repeat_interleave(ctx.query_start_loc[:-1], lens,
+                                                                 output_size=num_tokens)
         with forward_context(ctx):
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                                 positions)

@@ -164,6 +164,26 @@ def test_a_generate_call_whose_responses_fail_ends_internal_and_the_rest_are_ser
     assert load[:3] == (0, 0, 0)  # nothing running or waiting, no KV block held
 
 
+def test_a_call_that_went_away_aborts_its_own_request_only():
+    """A Generate call that ends early aborts its request by id only while the id is still
+    its stream's: a new call may have taken a client-chosen id since (after an Abort RPC)."""
+    async def main():
+        async with engine_behind_a_link(FakeDataPlane(num_kv_blocks=256)) as (engine, _):
+            model = ModelInfo("m", "none", "Qwen3ForCausalLM", 320, 64, (), "float32")
+            servicer = GenerationServicer(engine, model, 64, 64, 20)
+            request = pb.GenerateRequest(request_id="r", token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                                         sampling=pb.SamplingParams(max_tokens=50))
+            _, old = await servicer.open_stream(request, frontend_link._CallContext())
+            engine.abort("r")
+            _, new = await servicer.open_stream(request, frontend_link._CallContext())
+            servicer.close_stream("r", old)  # the first call's cleanup, late
+            kept = engine.streams.get("r") is new
+            servicer.close_stream("r", new)
+            return kept, "r" in engine.streams
+
+    assert asyncio.run(main()) == (True, False)
+
+
 @contextlib.asynccontextmanager
 async def engine_behind_a_link(dataplane: FakeDataPlane):
     """A running engine on `dataplane`, a FrontendLink serving its GenerationServicer, and a

@@ -4,6 +4,7 @@ checkpoints: bf16 keeps the greedy tokens of the first steps and close logprobs;
 gives what TP=1 gives; the whole stack on CUDA is greedy-identical to transformers in
 float32."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -189,18 +190,24 @@ def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, model,
 
 @pytest.mark.parametrize("pipeline_depth", [2, 3])
 def test_serve_on_cuda_equals_transformers(checkpoints, tmp_path, pipeline_depth):
-    """Through the whole split stack on CUDA, with the default two steps in flight and with
-    three (rank 0 then submits a step while two are queued on the device)."""
+    """Through the whole split stack on CUDA, with two steps in flight (the default) and three
+    (rank 0 then submits a step while two are queued on the device). The prompts go at once,
+    with staggered lengths, into two slots: requests join, finish and hand their slots over
+    while steps are queued."""
     model = checkpoints["untied"]
+    max_tokens = [16, 5, 11, 8]
     server = harness.serve(model, tmp_path, "--device", "cuda", "--dtype", "float32",
-                           "--gpu-memory-utilization", "0.3",
+                           "--gpu-memory-utilization", "0.3", "--max-num-seqs", "2",
                            "--pipeline-depth", str(pipeline_depth))
     try:
-        completions = [server.client.generate(p, max_tokens=16, temperature=0, ignore_eos=True)
-                       for p in PROMPTS]
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            completions = list(pool.map(
+                lambda prompt, n: server.client.generate(prompt, max_tokens=n, temperature=0,
+                                                         ignore_eos=True), PROMPTS, max_tokens))
     finally:
         server.stop()
-    assert [c.token_ids for c in completions] == [hf_greedy(model, p, 16) for p in PROMPTS]
+    assert [c.token_ids for c in completions] == \
+        [hf_greedy(model, p, n) for p, n in zip(PROMPTS, max_tokens)]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
