@@ -33,6 +33,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from controlplane.engine import EngineConfig  # noqa: E402
 from dataplane import checkpoints  # noqa: E402
 from dataplane.models import model_class  # noqa: E402
 import run_info  # noqa: E402
@@ -337,7 +338,7 @@ def main() -> None:
     parser.add_argument("--no-pdl", action="store_true",
                         help="kernels without programmatic dependent launch (serve's --no-pdl)")
     parser.add_argument("--tp", type=int, default=1, help="split mode only")
-    parser.add_argument("--pipeline-depth", type=int, default=2,
+    parser.add_argument("--pipeline-depth", type=int, default=EngineConfig.pipeline_depth,
                         help="both modes: steps in flight at once (serve's --pipeline-depth)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="split mode only: serve's --stream-interval (tokens per message)")
@@ -387,7 +388,8 @@ def _save(args, mode: str, result: dict) -> None:
     suffix += f"-fe{args.frontends}" if mode == "split" and args.frontends != 1 else ""
     suffix += "-spy" if mode == "split" and args.spy else ""
     suffix += "-nopdl" if args.no_pdl else ""
-    suffix += f"-pd{args.pipeline_depth}" if args.pipeline_depth != 2 else ""
+    suffix += f"-pd{args.pipeline_depth}" \
+        if args.pipeline_depth != EngineConfig.pipeline_depth else ""
     suffix += f"-{args.attention_backend}" if args.attention_backend != "auto" else ""
     name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))

@@ -126,11 +126,8 @@ class FrontendLink:
         try:
             handler, request_type, streams = self._methods[call.method]
             request = request_type.FromString(call.request)
-            if call.method == "Generate":
+            if streams:  # Generate, the one streaming method (controlplane/frontend.py)
                 await self._generate(identity, call.call_id, request)
-            elif streams:
-                async for response in handler(request, _CallContext()):
-                    self._reply(identity, call.call_id, response.SerializeToString())
             else:
                 response = await handler(request, _CallContext())
                 self._reply(identity, call.call_id, response.SerializeToString())
@@ -166,11 +163,13 @@ class FrontendLink:
                 ended.set_exception(e)
 
         stream.push_to(deliver)
+        finished = False
         try:
             error = await ended
+            finished = True
         finally:
-            if not ended.done() or ended.cancelled() or ended.exception() is not None:
-                stream.push_to(None)  # the client went away, or the sink failed
+            if not finished:  # the client went away, or the sink failed
+                stream.push_to(None)
                 self._servicer.close_stream(request_id, stream)
         if error is not None:
             raise _Aborted(*error)

@@ -46,7 +46,7 @@ class ControlPlaneConfig:
     max_waiting_requests: int = 1024
     max_logprobs: int = 20
     stream_interval: int = 1  # tokens a stream message waits for (the last may have fewer)
-    pipeline_depth: int = 2  # steps in flight at once (EngineConfig's)
+    pipeline_depth: int = EngineConfig.pipeline_depth  # steps in flight at once
     reattach_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
     link: LinkConfig = field(default_factory=LinkConfig)

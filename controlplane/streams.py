@@ -86,7 +86,6 @@ class RequestStream:
         self._last: Chunk | None = None  # set when the request ended: reason and usage
         self._waiter: asyncio.Future | None = None
         self._sink: Callable[[Chunk], None] | None = None
-        self._is_waited_for = False  # a consumer takes tokens as soon as it is woken
 
     def push_to(self, sink: Callable[[Chunk], None] | None) -> None:
         """Hand every chunk to `sink` (it must not raise: it runs on the engine's stack) instead
@@ -94,7 +93,6 @@ class RequestStream:
         call went away): nothing more is handed over."""
         assert self._waiter is None, "the stream already has an iterating consumer"
         self._sink = sink
-        self._is_waited_for = sink is not None
         if sink is not None and self._ready():
             self.wake()
 
@@ -104,7 +102,9 @@ class RequestStream:
             self._texts.append(text)
         if logprobs is not None:
             self._logprobs.append(logprobs)
-        if len(self._token_ids) >= self.interval and self._is_waited_for:
+        # (a consumer that waits, or a sink: it takes the tokens as soon as it is woken)
+        if len(self._token_ids) >= self.interval and (self._waiter is not None or
+                                                      self._sink is not None):
             self.releases.queue(self)
 
     def end(self, last: Chunk) -> None:
@@ -139,10 +139,8 @@ class RequestStream:
         while True:
             if not self._ready():
                 self._waiter = asyncio.get_running_loop().create_future()
-                self._is_waited_for = True
                 await self._waiter
                 self._waiter = None
-                self._is_waited_for = False
                 continue
             chunk = self._take()
             last = chunk.finish_reason is not None

@@ -330,9 +330,8 @@ class ModelRunner:
             slot_mapping=slots, block_tables=blocks.int()[None].expand(num_reqs, -1).contiguous(),
             logits_indices=arange(num_tokens)[-rows:], max_query_len=max_query_len or longest,
             max_seq_len=longest, query_start_loc_host=starts, seq_lens_host=list(query_lens))
-        lens = torch.tensor(query_lens, device=self.device)
-        positions = arange(num_tokens) - torch.repeat_interleave(ctx.query_start_loc[:-1], lens,
-                                                                 output_size=num_tokens)
+        positions = arange(num_tokens) - torch.repeat_interleave(
+            ctx.query_start_loc[:-1], ctx.seq_lens, output_size=num_tokens)
         with forward_context(ctx):
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                                 positions)

@@ -67,7 +67,8 @@ class InProcessDataPlane:
 class LLM:
     def __init__(self, model: str | pathlib.Path, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, pipeline_depth: int = 2,
+                 enable_prefix_caching: bool = True,
+                 pipeline_depth: int = EngineConfig.pipeline_depth,
                  tune_gc: bool = True, **runner_options) -> None:
         """`runner_options`: RunnerConfig's fields (device, dtype, block_size,
         gpu_memory_utilization, enforce_eager, attention_backend, load_format, ...).

@@ -44,3 +44,13 @@ def test_serve_stops_when_the_supervisor_of_its_data_plane_gives_up():
 def test_a_config_below_one_step_or_token_is_refused_naming_it(field, tmp_path):
     with pytest.raises(ValueError, match=rf"{field} \(0\)"):
         ControlPlaneConfig(model_dir=tmp_path, dataplane_address="ipc:///nowhere", **{field: 0})
+
+
+def test_the_command_line_defaults_are_the_engines():
+    """splitserve/cli_parser.py writes them out (it imports nothing of the planes, to keep
+    `generate` and `health` light): they must stay the engine's."""
+    from controlplane.engine import EngineConfig
+    from splitserve.cli_parser import build_parser
+    args = build_parser().parse_args(["serve"])
+    assert (args.pipeline_depth, args.stream_interval) == \
+        (EngineConfig.pipeline_depth, EngineConfig.stream_interval)
