@@ -37,7 +37,7 @@
 #                  the directories AB names ("ab_old" or "ab_old ab_c"), alternating, ~30 s a run
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise;
 #                  bench-0.6b-nopdl: both modes without programmatic dependent launch;
-#                  bench-0.6b-pd3: both modes with three steps in flight (--pipeline-depth 3);
+#                  bench-0.6b-pd2: both modes with two steps in flight (--pipeline-depth 2);
 #                  bench-0.6b-fa4: in-process with the flash_attn backend (carry .fa4)
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
 #                  bench-0.6b-spy: split with py-spy sampling the server's processes (carry
@@ -163,7 +163,7 @@ for stage in "$@"; do
              --rounds "${AB_ROUNDS:-2}" --out "$OUT/ab.json" 2>&1 | tail -12 ;;
     bench-0.6b) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-nopdl) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --no-pdl --out-dir "$OUT" 2>&1 | tail -20 ;;
-    bench-0.6b-pd3) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --pipeline-depth 3 --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-0.6b-pd2) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --pipeline-depth 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fa4) timeout 240 python3 bench/throughput.py --model qwen3-0.6b --modes inprocess \
              --attention-backend flash_attn --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-8b) timeout 240 python3 bench/throughput.py --model qwen3-8b --out-dir "$OUT" 2>&1 | tail -20 ;;

@@ -50,11 +50,12 @@ def _add_api(p: argparse.ArgumentParser) -> None:
                         "fewer): larger values send fewer messages, for less control-plane CPU "
                         "per token with many streams (default %(default)s). Tokens that pile up "
                         "while a message is being written go out together in any case")
-    p.add_argument("--pipeline-depth", type=int, default=2, metavar="STEPS",
+    p.add_argument("--pipeline-depth", type=int, default=3, metavar="STEPS",
                    help="steps in flight at once: with 2 the next step is scheduled and sent "
                         "while the data plane runs the current one; 3 keeps one more queued on "
-                        "the device, for hosts that turn a step around slower than the device "
-                        "runs one (a new request then waits one step more) (default %(default)s)")
+                        "the device, so that a host that turns a step around late still finds "
+                        "it busy (a new request waits one step more for its first token) "
+                        "(default %(default)s)")
     p.add_argument("--frontends", type=int, default=1, metavar="N",
                    help="gRPC front-end processes: they hold the client connections and write "
                         "the stream messages, so that the engine's loop does not; they share "

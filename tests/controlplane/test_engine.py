@@ -255,8 +255,9 @@ def test_a_request_that_gets_tokens_between_failures_is_no_culprit():
         original = dp.execute
 
         async def failing(step, epoch, timeout_s):
-            if dp.num_steps + 1 in (3, 10):  # its third and tenth step fail
-                dp.num_steps += 1
+            # the engine's third and tenth step fail (by id: with steps in flight, a count of
+            # the fake's executed steps can reach the third call before the first one ends)
+            if step.step_id in (3, 10):
                 dp.disconnect()
                 raise DataPlaneLost("a rank died", step.step_id)
             return await original(step, epoch, timeout_s)
