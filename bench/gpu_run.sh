@@ -18,7 +18,8 @@
 #   ncu-decode     Nsight Compute on one decode attention launch at 64 and 256 rows (stall
 #                  reasons, occupancy; Firecracker machines only: ../.library/device/KINDS.md)
 #   host-profile   cProfile of the data plane's host time in steps that carry a prompt;
-#                  host-profile-16k: in workload A's 16k-token prompt steps
+#                  host-profile-16k: in workload A's 16k-token prompt steps; host-timers: each
+#                  phase's host time a step, clocked without a profiler, in both
 #   sampler        the CUDA sampler by chunk size and warps at 1-256 rows
 #   splitk         split-K o_proj/down_proj with the partials summed by the norm, against cuBLAS
 #   decode-layer   a decode layer with our GEMMs against cuBLAS's, with and without PDL
@@ -115,6 +116,9 @@ for stage in "$@"; do
              | head -60 ;;
     host-profile-16k) timeout 180 python3 bench/host_profile.py --max-num-batched-tokens 16384 \
              --prompt-len 562 --num-prompts 96 2>&1 | tee "$OUT/host-profile-16k.log" | head -60 ;;
+    host-timers) for args in "" "--max-num-batched-tokens 16384 --prompt-len 562 --num-prompts 96"; do
+             timeout 180 python3 bench/host_profile.py --timers $args 2>&1 | grep -v Warning
+           done | tee "$OUT/host-timers.log" ;;
     sampler) timeout 200 python3 bench/sampler_probe.py "$OUT/sampler.json" 2>&1 \
              | grep -v Warning | tail -62 ;;
     ncu-decode) for rows in 64 256; do timeout 150 ncu --clock-control none \
