@@ -88,7 +88,7 @@ class EngineConfig:
     # runs the current one, so neither side waits for the other (tokens still in flight are
     # placeholders in the scheduler). 3 keeps one more queued on the device, so that a late
     # turnaround on the host (a GC pause, a burst of arrivals) still finds the device busy: on
-    # an H200 it gave split / in-process 0.996-1.005 against 2's 0.969-0.998 (bench/README.md).
+    # an H200 it gave split / in-process 0.996-1.010 against 2's 0.969-0.998 (bench/README.md).
     pipeline_depth: int = 3
     # A stream's consumer is woken once this many tokens wait (or its last chunk): fewer, larger
     # stream messages for less CPU per token, at the cost of smoothness (vLLM's --stream-interval).

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dataplane.kernels.sizes import next_power_of_2
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -119,7 +121,7 @@ def categorical_sample(logits: torch.Tensor, temperature: torch.Tensor, base_see
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    chunk = min(chunk, max(1024, triton.next_power_of_2(vocab)))
+    chunk = min(chunk, max(1024, next_power_of_2(vocab)))
     num_chunks = -(-vocab // chunk)
     f32 = dict(dtype=torch.float32, device=logits.device)
     tops, masses = torch.empty(rows, num_chunks, **f32), torch.empty(rows, num_chunks, **f32)
@@ -134,7 +136,7 @@ def categorical_sample(logits: torch.Tensor, temperature: torch.Tensor, base_see
         logits, temperature, row_seeds if row_seeds is not None else temperature, tops, masses,
         args, out, vocab, logits.stride(0), base_seed % (1 << 62), num_chunks,
         HAS_ROW_SEEDS=row_seeds is not None, CHUNK=chunk,
-        CHUNKS=max(2, triton.next_power_of_2(num_chunks)), num_warps=8)
+        CHUNKS=max(2, next_power_of_2(num_chunks)), num_warps=8)
     return out
 
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dataplane.kernels.sizes import next_power_of_2
+
 
 # The staged arrays are views into one copy at any int64 offset: their alignment must not pick
 # a variant (one compiles at configure; a served step must not compile another).
@@ -101,7 +103,7 @@ def decode_inputs(positions: torch.Tensor, token_index: torch.Tensor, slot_mappi
         new_start, new_count, new_column, new_blocks, token_table, mirror,
         token_ids, out_positions, out_slot_mapping, out_seq_lens, block_tables,
         num_reqs, mirror.stride(0), block_tables.stride(0),
-        PAGE_SIZE=page_size, BLOCK_COLS=min(256, triton.next_power_of_2(mirror.shape[1])),
+        PAGE_SIZE=page_size, BLOCK_COLS=min(256, next_power_of_2(mirror.shape[1])),
         num_warps=1)
 
 

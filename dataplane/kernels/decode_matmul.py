@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from dataplane.kernels.pdl import launch_options, prefetch_args, prefetch_rows, wait_for_inputs
+from dataplane.kernels.sizes import cdiv
 
 
 @triton.jit
@@ -151,7 +152,7 @@ def decode_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
     width = out.shape[1]
     if num_rows == 0:
         return out
-    grid = (width // cfg["BLOCK_N"], triton.cdiv(num_rows, cfg["BLOCK_M"]))
+    grid = (width // cfg["BLOCK_N"], cdiv(num_rows, cfg["BLOCK_M"]))
     _decode_matmul_kernel[grid](
         x, w, out, num_rows, x.stride(0), out.stride(0), K=k, UP_OFFSET=width if gated else 0,
         **prefetch_args(w, k), **cfg, **launch_options(x.device, num_rows))

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dataplane.kernels.sizes import cdiv, next_power_of_2
+
 
 @dataclass(frozen=True)
 class GemmTiles:
@@ -197,7 +199,7 @@ def _down_kernel(
 
 def max_num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Tiles the sorted order can need: each expert that gets a pair pads at most block_m - 1."""
-    return triton.cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
+    return cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -214,7 +216,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     block_expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    experts_pow2 = triton.next_power_of_2(num_experts)
+    experts_pow2 = next_power_of_2(num_experts)
     _align_kernel[(1,)](
         topk_ids, sorted_ids, block_expert_ids, num_padded, cursor, num_pairs, num_blocks,
         NUM_EXPERTS=num_experts, EXPERTS_POW2=experts_pow2, BLOCK_M=block_m, CHUNK=1024,
@@ -232,7 +234,7 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int
     runs, block_expert_ids = [], []
     for expert in range(num_experts):
         pairs = (flat == expert).nonzero().flatten()  # [n]
-        num_tiles = triton.cdiv(len(pairs), block_m)
+        num_tiles = cdiv(len(pairs), block_m)
         runs += [pairs, torch.full((num_tiles * block_m - len(pairs),), flat.numel())]
         block_expert_ids += [expert] * num_tiles
     return torch.cat(runs), torch.tensor(block_expert_ids), len(block_expert_ids) * block_m
@@ -240,8 +242,8 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 def _fit(tiles: GemmTiles, n: int, k: int) -> tuple[int, int]:
     """Tiles no larger than the problem (tl.dot needs every side >= 16)."""
-    return (min(tiles.block_n, max(16, triton.next_power_of_2(n))),
-            min(tiles.block_k, max(16, triton.next_power_of_2(k))))
+    return (min(tiles.block_n, max(16, next_power_of_2(n))),
+            min(tiles.block_k, max(16, next_power_of_2(k))))
 
 
 def _launch_gemms(x, w13, w2, topk_weights, sorted_ids, block_expert_ids, num_padded, top_k,
@@ -251,7 +253,7 @@ def _launch_gemms(x, w13, w2, topk_weights, sorted_ids, block_expert_ids, num_pa
     precision = "ieee" if x.dtype == torch.float32 else None  # no tf32 for float32 inputs
     act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     block_n, block_k = _fit(config.gate_up, inter, hidden)
-    _gate_up_kernel[(num_blocks * triton.cdiv(inter, block_n),)](
+    _gate_up_kernel[(num_blocks * cdiv(inter, block_n),)](
         x, w13, act, sorted_ids, block_expert_ids, num_padded,
         num_pairs, num_blocks, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
@@ -261,7 +263,7 @@ def _launch_gemms(x, w13, w2, topk_weights, sorted_ids, block_expert_ids, num_pa
     )
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k = _fit(config.down, hidden, inter)
-    _down_kernel[(num_blocks * triton.cdiv(hidden, block_n),)](
+    _down_kernel[(num_blocks * cdiv(hidden, block_n),)](
         act, w2, out, topk_weights, sorted_ids, block_expert_ids, num_padded,
         num_pairs, num_blocks, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from dataplane.kernels.paged_inputs import check_paged_attention_inputs
 from dataplane.kernels.pdl import launch_options, wait_for_inputs
+from dataplane.kernels.sizes import next_power_of_2
 
 LOG2E = 1.4426950408889634
 MAX_PROGRAMS_PER_SM = 8  # bounds the partial-output scratch a plan allocates
@@ -419,7 +420,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             plan.counters if trace is None else trace, scale * LOG2E,
             num_reqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), out.stride(0), out.stride(1))
-    constexprs = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+    constexprs = dict(GROUP=group, BLOCK_H=max(16, next_power_of_2(group)),
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size,
                       TILE_PAGES=max(1, plan.block_n // block_size),
                       TRACE=trace is not None,

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from dataplane.kernels.paged_inputs import check_paged_attention_inputs
+from dataplane.kernels.sizes import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -184,11 +185,11 @@ def _config(dtype: torch.dtype, head_dim: int, group_p: int, max_query_len: int)
     64 up to SMALL_TILES_MAX_QUERY, fewer when every request brings only a few tokens (chunk
     tails, decodes)."""
     if dtype == torch.float32:  # tests only: exact fp32 dots, tiles small enough for shared memory
-        block_m = min(32, max(16, triton.next_power_of_2(max_query_len * group_p)))
+        block_m = min(32, max(16, next_power_of_2(max_query_len * group_p)))
         return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=16, DOT_PRECISION="ieee",
                     num_warps=4, num_stages=2)
     small = max_query_len <= SMALL_TILES_MAX_QUERY
-    block_m = min(64 if small else 128, max(16, triton.next_power_of_2(max_query_len * group_p)))
+    block_m = min(64 if small else 128, max(16, next_power_of_2(max_query_len * group_p)))
     three_stages = max_query_len >= THREE_STAGES_MIN_QUERY and head_dim <= 128
     return dict(BLOCK_Q=max(1, block_m // group_p), BLOCK_N=32, DOT_PRECISION="tf32",
                 num_warps=4, num_stages=3 if three_stages else 2)
@@ -225,10 +226,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_tokens == 0 or num_reqs == 0:
         return out
     group = num_heads // num_kv_heads
-    group_p = triton.next_power_of_2(group)
+    group_p = next_power_of_2(group)
     max_query_len = max_query_len or num_tokens
     config = _config(q.dtype, head_dim, group_p, max_query_len) | (config or {})
-    num_q_tiles = triton.cdiv(max_query_len, config["BLOCK_Q"])
+    num_q_tiles = cdiv(max_query_len, config["BLOCK_Q"])
     num_searched = num_tokens // config["BLOCK_Q"] + num_reqs
     if "LAST_TILES_FIRST" not in config:
         config["LAST_TILES_FIRST"] = num_q_tiles <= 65535 and (

@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as triton_cuda
 
+from dataplane.kernels.sizes import next_power_of_2
+
 _enabled = True
 # Launches of more rows (tokens, requests) than this go without PDL. On the H200 at 865485f and
 # 9290a2a (bench-0.6b against bench-0.6b-nopdl, twice) PDL took 0.9-5.8% off the decode steps of
@@ -90,4 +92,4 @@ def prefetch_args(weight: torch.Tensor, num_elems: int) -> dict:
     """The constexprs of a kernel that calls prefetch_rows for num_elems of `weight`'s rows."""
     per_line = LINE // weight.element_size()
     return {"ELEMS_PER_LINE": per_line,
-            "NUM_LINES_POW2": triton.next_power_of_2(-(-num_elems // per_line))}
+            "NUM_LINES_POW2": next_power_of_2(-(-num_elems // per_line))}

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from dataplane.kernels.pdl import launch_options, wait_for_inputs
+from dataplane.kernels.sizes import next_power_of_2
 
 
 @triton.jit
@@ -109,8 +110,8 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         slot_mapping, num_heads, num_kv_heads, eps, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
-        HALF=head_dim // 2, BLOCK_Q_HEADS=triton.next_power_of_2(num_heads),
-        BLOCK_K_HEADS=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=block_size, num_warps=4,
+        HALF=head_dim // 2, BLOCK_Q_HEADS=next_power_of_2(num_heads),
+        BLOCK_K_HEADS=next_power_of_2(num_kv_heads), PAGE_SIZE=block_size, num_warps=4,
         **launch_options(q.device, num_tokens),
     )
     return q_out

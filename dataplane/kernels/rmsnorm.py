@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from dataplane.kernels.pdl import launch_options, wait_for_inputs
+from dataplane.kernels.sizes import cdiv, next_power_of_2
 
 
 # num_cols (the hidden size, one value per model) stays specialized: knowing it divides by 16
@@ -55,10 +56,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
     assert x.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == x.shape[-2:]
     if num_rows == 0:
         return
-    block_cols = triton.next_power_of_2(num_cols)
+    block_cols = next_power_of_2(num_cols)
     block_rows = max(1, 1024 // block_cols)  # a row a program at hidden sizes >= 1024: a
     # decode batch of 256 tokens still spreads over every SM
-    _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
+    _rms_norm_kernel[(cdiv(num_rows, block_rows),)](
         x, residual if residual is not None else x, out, weight, num_rows, num_cols, eps,
         x.stride(-2), residual.stride(0) if residual is not None else 0, out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,

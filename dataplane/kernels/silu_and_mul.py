@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from dataplane.kernels.pdl import launch_options, wait_for_inputs
+from dataplane.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -34,8 +35,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     assert out.shape == (num_tokens, width) and out.dtype == x.dtype and out.stride(1) == 1
     if num_tokens == 0:
         return out
-    block = min(1024, triton.next_power_of_2(width))  # 3072 and 12288 split evenly
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
+    block = min(1024, next_power_of_2(width))  # 3072 and 12288 split evenly
+    _silu_and_mul_kernel[(num_tokens, cdiv(width, block))](
         x, out, width, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
         **launch_options(x.device, num_tokens))
     return out

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from dataplane.kernels.pdl import launch_options, prefetch_args, prefetch_rows, wait_for_inputs
+from dataplane.kernels.sizes import cdiv
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -101,7 +102,7 @@ def splitk_matmul(x: torch.Tensor, w: torch.Tensor, config: dict | None = None,
     assert out.shape == (splits, num_rows, n) and out.dtype == torch.float32 and out.is_contiguous()
     if num_rows == 0:
         return out
-    grid = (n // cfg["BLOCK_N"], splits, triton.cdiv(num_rows, cfg["BLOCK_M"]))
+    grid = (n // cfg["BLOCK_N"], splits, cdiv(num_rows, cfg["BLOCK_M"]))
     _splitk_kernel[grid](x, w, out, num_rows, x.stride(0), w.stride(0), N=n, K_SPLIT=k // splits,
                          **prefetch_args(w, k // splits), **cfg,
                          **launch_options(x.device, num_rows))

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dataplane.kernels.sizes import next_power_of_2
+
 
 @triton.jit(do_not_specialize=["num_kv_heads"])
 def _store_kv_kernel(
@@ -53,7 +55,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping, num_kv_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
+        PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_HEADS=next_power_of_2(num_kv_heads),
         num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
     )
 

@@ -27,6 +27,7 @@ except ImportError:
 from dataplane.kernels.decode_matmul import (MAX_K, decode_matmul_ref, gemm_output,
                                              silu_and_mul_rounded)
 from dataplane.kernels.pdl import launch_options, prefetch_args, prefetch_rows, wait_for_inputs
+from dataplane.kernels.sizes import cdiv
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def tma_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
     x_desc = TensorDescriptor(x, [num_rows, k], [x.stride(0), 1], [bm, bk])
     w_desc = TensorDescriptor(w, [n, k], [k, 1], [bn, bk])
     out_desc = TensorDescriptor(out, [num_rows, width], [out.stride(0), 1], [bm, bn])
-    grid = (triton.cdiv(num_rows, bm), width // bn)
+    grid = (cdiv(num_rows, bm), width // bn)
     _tma_matmul_kernel[grid](
         x_desc, w_desc, out_desc, w, K=k, UP_OFFSET=width if gated else 0, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
