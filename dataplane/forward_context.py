@@ -31,8 +31,8 @@ class ForwardContext:
     query_start_loc_host: list[int] | None
     seq_lens_host: list[int] | None
     # What the attention backend derives from the batch once a forward and every layer reads
-    # (the Triton decode kernel's tile list). The first attention layer clears it, so each
-    # forward rebuilds it on the device, inside a CUDA graph's capture too.
+    # (the Triton backend's launches and its decode kernel's tile list). The first attention
+    # layer clears it, so each forward rebuilds it, inside a CUDA graph's capture too.
     attention_plan: object | None = None
     # Set only while MixedGraphs captures a step's pieces: the attention layers hand it their
     # queries instead of attending (attention runs eagerly between the pieces' replays) and

@@ -3,17 +3,57 @@ the varlen paged prefill kernel for the rest. In a step that mixes them, the lea
 requests (ctx.num_decodes) go to the decode kernel: in the prefill kernel each would occupy a
 whole tile of query rows to use one of them.
 
-Decode is CUDA-graph capturable: its tile list (`plan_decode`) is built on the device by the
-first layer of each forward and shared by the rest through ctx.attention_plan; its sizes depend
-only on the batch size and the block-table width, and nothing is read back on the host.
+The first attention layer of each forward prepares the step's launches (`_StepLaunches`, kept in
+ctx.attention_plan) and every layer runs them on its own cache. Decode is CUDA-graph
+capturable: its tile list (`plan_decode`) is built on the device, its sizes depend only on the
+batch size and the block-table width, and nothing is read back on the host.
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from dataplane.forward_context import ForwardContext
-from dataplane.kernels.paged_decode_attention import (DecodePlan, paged_decode_attention,
-                                                      plan_decode)
-from dataplane.kernels.paged_prefill_attention import paged_prefill_attention
+from dataplane.kernels.paged_decode_attention import plan_decode, prepare_decode_attention
+from dataplane.kernels.paged_inputs import PagedLaunch
+from dataplane.kernels.paged_prefill_attention import prepare_prefill_attention
+
+
+@dataclass(frozen=True)
+class _StepLaunches:
+    """A forward's attention launches, prepared by its first layer for q and out laid out as
+    that layer's: the leading num_decodes rows through `decode`, the rest through `prefill`.
+    q and out are kept with their slices: between a prompt step's graph pieces every layer
+    attends from the same buffers (MixedGraphs), so the slices are taken once a forward."""
+
+    num_decodes: int
+    scale: float
+    decode: PagedLaunch | None
+    prefill: PagedLaunch | None
+    q: torch.Tensor
+    out: torch.Tensor
+    q_parts: tuple[torch.Tensor, torch.Tensor]
+    out_parts: tuple[torch.Tensor, torch.Tensor]
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor, scale: float) -> None:
+        assert scale == self.scale, "the step's launches were prepared for another scale"
+        if self.prefill is None:  # a decode step: every row through the decode kernel
+            if self.decode is not None:
+                self.decode(q, k_cache, v_cache, out)
+            return
+        if q is self.q and out is self.out:
+            (q_decodes, q_rest), (out_decodes, out_rest) = self.q_parts, self.out_parts
+        else:
+            (q_decodes, q_rest), (out_decodes, out_rest) = _split(q, out, self.num_decodes)
+        if self.decode is not None:
+            self.decode(q_decodes, k_cache, v_cache, out_decodes)
+        if self.prefill is not None:
+            self.prefill(q_rest, k_cache, v_cache, out_rest)
+
+
+def _split(q: torch.Tensor, out: torch.Tensor, num_decodes: int) -> tuple[tuple, tuple]:
+    return (q[:num_decodes], q[num_decodes:]), (out[:num_decodes], out[num_decodes:])
 
 
 class TritonAttention:
@@ -27,29 +67,30 @@ class TritonAttention:
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: ForwardContext, scale: float,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        if ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]:
-            return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
-                                          scale, out=out, plan=self._plan(q, k_cache, ctx))
-        num_decodes = ctx.num_decodes  # served by the decode kernel, the rest by the prefill one
         out = torch.empty_like(q) if out is None else out
-        if num_decodes:
-            decodes = q[:num_decodes]
-            paged_decode_attention(decodes, k_cache, v_cache, ctx.block_tables[:num_decodes],
-                                   ctx.seq_lens[:num_decodes], scale, out=out[:num_decodes],
-                                   plan=self._plan(decodes, k_cache, ctx))
-        paged_prefill_attention(q[num_decodes:], k_cache, v_cache,
-                                ctx.block_tables[num_decodes:],
-                                ctx.query_start_loc[num_decodes:], ctx.seq_lens[num_decodes:],
-                                scale, max_query_len=ctx.max_query_len, out=out[num_decodes:],
-                                first_token=num_decodes)
+        if ctx.attention_plan is None:
+            ctx.attention_plan = self._prepare(q, k_cache, v_cache, out, ctx, scale)
+        assert isinstance(ctx.attention_plan, _StepLaunches)
+        ctx.attention_plan(q, k_cache, v_cache, out, scale)
         return out
 
-    def _plan(self, decodes: torch.Tensor, k_cache: torch.Tensor,
-              ctx: ForwardContext) -> DecodePlan:
-        """The tile list of the step's leading decodes: built once a forward, by its first layer."""
-        if ctx.attention_plan is None:
-            n = decodes.shape[0]
-            ctx.attention_plan = plan_decode(decodes, k_cache, ctx.block_tables[:n],
-                                             ctx.seq_lens[:n], num_programs=self.num_programs)
-        assert isinstance(ctx.attention_plan, DecodePlan)
-        return ctx.attention_plan
+    def _prepare(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor, ctx: ForwardContext, scale: float) -> _StepLaunches:
+        """The step's launches: all rows through the decode kernel when each request brings one
+        token, else the leading one-token requests (ctx.num_decodes) through it and the rest
+        through the prefill kernel."""
+        is_decode = ctx.max_query_len == 1 and q.shape[0] == ctx.seq_lens.shape[0]
+        n = q.shape[0] if is_decode else ctx.num_decodes
+        q_parts, out_parts = _split(q, out, n)
+        decode = prefill = None
+        if n:
+            plan = plan_decode(q_parts[0], k_cache, ctx.block_tables[:n], ctx.seq_lens[:n],
+                               num_programs=self.num_programs)
+            decode = prepare_decode_attention(q_parts[0], k_cache, v_cache, out_parts[0], plan,
+                                              scale)
+        if not is_decode:
+            prefill = prepare_prefill_attention(
+                q_parts[1], k_cache, v_cache, out_parts[1], ctx.block_tables[n:],
+                ctx.query_start_loc[n:], ctx.seq_lens[n:], scale,
+                max_query_len=ctx.max_query_len, first_token=n)
+        return _StepLaunches(n, scale, decode, prefill, q, out, q_parts, out_parts)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dataplane.kernels.paged_inputs import check_paged_attention_inputs
+from dataplane.kernels.paged_inputs import PagedLaunch, check_paged_attention_inputs
 from dataplane.kernels.pdl import launch_options, wait_for_inputs
 from dataplane.kernels.sizes import next_power_of_2
 
@@ -395,27 +395,39 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32, cached tokens
     including the new one. plan: this batch's `plan_decode`, built here from block_tables and
     seq_lens when absent (they are not read otherwise; a model builds one plan a forward).
-    config: kernel settings over the defaults (num_warps, num_stages), for tuning. trace: for
-    probes, [num_kv_heads * num_programs, TRACE_COLUMNS] int64 zeros, filled with each program's
-    global timer (ns) and cycle counter at its start, once its first request is known, after its
-    tile loop and at its end (a program with no tiles writes only the first and last), then the
-    id of the SM it ran on. Returns out: [num_reqs, num_heads, head_dim]."""
+    config, trace: as for `prepare_decode_attention`. Returns out: [num_reqs, num_heads,
+    head_dim]."""
+    out = torch.empty_like(q) if out is None else out
+    if q.shape[0] and plan is None:
+        plan = plan_decode(q, k_cache, block_tables, seq_lens)
+    launch = prepare_decode_attention(q, k_cache, v_cache, out, plan, scale, config, trace)
+    return out if launch is None else launch(q, k_cache, v_cache, out)
+
+
+def prepare_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             out: torch.Tensor, plan: DecodePlan | None, scale: float,
+                             config: dict | None = None,
+                             trace: torch.Tensor | None = None) -> PagedLaunch | None:
+    """The launch of `plan`'s batch for every layer whose q, caches and out are laid out as
+    these (paged_decode_attention's shapes); None when the batch is empty. config: kernel
+    settings over the defaults (num_warps, num_stages), for tuning. trace: for probes,
+    [num_kv_heads * num_programs, TRACE_COLUMNS] int64 zeros, filled with each program's global
+    timer (ns) and cycle counter at its start, once its first request is known, after its tile
+    loop and at its end (a program with no tiles writes only the first and last), then the id
+    of the SM it ran on."""
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     check_paged_attention_inputs(q, k_cache, v_cache)
-    if out is None:
-        out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     if num_reqs == 0:
-        return out
-    if plan is None:
-        plan = plan_decode(q, k_cache, block_tables, seq_lens)
+        return None
+    assert plan is not None
     group = num_heads // num_kv_heads
     assert plan.num_reqs == num_reqs and plan.counters.shape == (num_kv_heads, num_reqs)
     assert plan.part_lse.numel() == num_kv_heads * plan.max_programs * 2 * group
     assert plan.part_out.numel() == plan.part_lse.numel() * head_dim
     assert plan.tile_req.device == q.device
-    args = (q, k_cache, v_cache, out, plan.tile_req, plan.tile_info, plan.tile_blocks,
+    rest = (plan.tile_req, plan.tile_info, plan.tile_blocks,
             plan.req_tile_start, plan.counters, plan.part_out, plan.part_lse,
             plan.counters if trace is None else trace, scale * LOG2E,
             num_reqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -426,15 +438,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                       TRACE=trace is not None,
                       **launch_options(q.device, num_reqs),
                       **(_config(q.dtype, head_dim) | (config or {}) | dict(BLOCK_N=plan.block_n)))
-    if plan.num_programs is None:  # once a plan: the layers after the first reuse it
-        plan.num_programs = _programs_per_head(q.device, num_kv_heads, plan.max_programs, args,
-                                               constexprs)
+    if plan.num_programs is None:  # once a plan: the launches after the first reuse it
+        plan.num_programs = _programs_per_head(q.device, num_kv_heads, plan.max_programs,
+                                               (q, k_cache, v_cache, out, *rest), constexprs)
     if trace is not None:
         assert trace.shape == (num_kv_heads * plan.num_programs, TRACE_COLUMNS)
         assert trace.dtype == torch.int64
         assert trace.is_contiguous() and trace.device == q.device
-    _decode_kernel[(num_kv_heads, plan.num_programs)](*args, **constexprs)
-    return out
+    return PagedLaunch.prepare(_decode_kernel, (num_kv_heads, plan.num_programs), q, k_cache,
+                               out, rest, constexprs)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

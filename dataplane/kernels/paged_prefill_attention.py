@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dataplane.kernels.paged_inputs import check_paged_attention_inputs
+from dataplane.kernels.paged_inputs import PagedLaunch, check_paged_attention_inputs
 from dataplane.kernels.sizes import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -201,16 +201,29 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             out: torch.Tensor | None = None, config: dict | None = None,
                             first_token: int = 0) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] (their k/v already stored); k_cache, v_cache:
-    [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_reqs, max_blocks] int32;
-    query_start_loc: [num_reqs + 1] int32; seq_lens: [num_reqs] int32 (cached + new);
-    max_query_len: a host bound on the query lengths, at least the longest (picks the tile size
-    and the grid; default num_tokens).
+    [num_blocks, block_size, num_kv_heads, head_dim]; the rest as for
+    `prepare_prefill_attention`. Returns out: [num_tokens, num_heads, head_dim]."""
+    out = torch.empty_like(q) if out is None else out
+    launch = prepare_prefill_attention(q, k_cache, v_cache, out, block_tables, query_start_loc,
+                                       seq_lens, scale, max_query_len, config, first_token)
+    return out if launch is None else launch(q, k_cache, v_cache, out)
+
+
+def prepare_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              out: torch.Tensor, block_tables: torch.Tensor,
+                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                              max_query_len: int | None = None, config: dict | None = None,
+                              first_token: int = 0) -> PagedLaunch | None:
+    """The launch for every layer whose q, caches and out are laid out as these
+    (paged_prefill_attention's shapes); None when there is nothing to attend.
+    block_tables: [num_reqs, max_blocks] int32; query_start_loc: [num_reqs + 1] int32;
+    seq_lens: [num_reqs] int32 (cached + new); max_query_len: a host bound on the query
+    lengths, at least the longest (picks the tile size and the grid; default num_tokens).
     first_token: the value query_start_loc starts at (on the host), e.g. d for the slice [d:] of
     a step's offsets whose first d one-token requests are served elsewhere; q and out then are
     the matching slices [d:] of the step's tokens.
     config: settings over the defaults (BLOCK_Q, BLOCK_N, num_warps, num_stages, and
-    LAST_TILES_FIRST: which grid), for tuning and tests. Returns out: [num_tokens, num_heads,
-    head_dim]."""
+    LAST_TILES_FIRST: which grid), for tuning and tests."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_reqs = seq_lens.shape[0]
@@ -219,12 +232,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert seq_lens.dtype == torch.int32 and block_tables.dtype == torch.int32
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs
     assert block_tables.stride(1) == 1
-    if out is None:
-        out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     assert first_token >= 0
     if num_tokens == 0 or num_reqs == 0:
-        return out
+        return None
     group = num_heads // num_kv_heads
     group_p = next_power_of_2(group)
     max_query_len = max_query_len or num_tokens
@@ -239,14 +250,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         grid = (num_reqs, num_q_tiles, num_kv_heads)
     else:
         grid = (num_searched, num_kv_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        num_reqs, first_token, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=block_size, **config,
-    )
-    return out
+    rest = (block_tables, query_start_loc, seq_lens, num_reqs, first_token, scale * LOG2E,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1))
+    constexprs = dict(GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
+                      **config)
+    return PagedLaunch.prepare(_prefill_kernel, grid, q, k_cache, out, rest, constexprs)
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -92,6 +92,36 @@ def test_triton_backend_with_fixed_programs(num_programs, device, gen):
                        device, gen, num_heads=32, num_kv_heads=8)
 
 
+@pytest.mark.parametrize("shared_buffers", [True, False], ids=["graph_pieces", "eager"])
+@pytest.mark.parametrize("lens", [DECODE, DECODES_FIRST], ids=["decode", "decodes_first"])
+def test_triton_backend_layers_share_the_steps_launches(shared_buffers, lens, device, gen):
+    """The first layer of a forward prepares the step's launches and the next layers run them on
+    their own caches: from the same q/out buffers (between a prompt step's graph pieces) or from
+    new ones a layer (eager). A layer whose q is laid out otherwise fails loudly."""
+    num_layers, num_heads, num_kv_heads, head_dim, block_size = 3, 16, 8, 32, 4
+    ctx, num_blocks = make_context(lens, block_size, device, gen)
+    num_tokens = ctx.slot_mapping.shape[0]
+    kv = randn(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+               dtype=torch.float32, device=device, gen=gen)
+    backend, scale = TritonAttention(), head_dim ** -0.5
+    q_buffer = randn(num_tokens, num_heads, head_dim, dtype=torch.float32, device=device, gen=gen)
+    out_buffer = torch.empty_like(q_buffer)
+    ctx.attention_plan = None  # what the model's first attention layer does
+    for layer in range(num_layers):
+        if shared_buffers:
+            q_buffer.copy_(randn(*q_buffer.shape, dtype=torch.float32, device=device, gen=gen))
+            q, out = q_buffer, backend.forward(q_buffer, kv[0, layer], kv[1, layer], ctx, scale,
+                                               out=out_buffer)
+        else:
+            q = randn(*q_buffer.shape, dtype=torch.float32, device=device, gen=gen)
+            out = backend.forward(q, kv[0, layer], kv[1, layer], ctx, scale)
+        expected = TorchAttention().forward(q, kv[0, layer], kv[1, layer], ctx, scale)
+        assert_close(out, expected, torch.float32)
+    assert ctx.attention_plan is not None
+    with pytest.raises(AssertionError, match="differs from the one the launch was prepared for"):
+        backend.forward(q_buffer[:, :8], kv[0, 0][..., :4, :], kv[1, 0][..., :4, :], ctx, scale)
+
+
 def test_make_backend_names(device):
     assert isinstance(make_backend("triton", device.type), TritonAttention)
     assert make_backend("auto", "cpu").name == "torch"
