@@ -112,6 +112,7 @@ class _SlotParams:
         self.has_seed = np.zeros(max_num_seqs, dtype=bool)
         self.seeds: list[int | None] = [None] * max_num_seqs
         self.suppressed: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * max_num_seqs
+        self.version = 0  # bumped by every set: a sampling batch built before it is stale
 
     def set(self, slot: int, options: link_pb2.SamplingOptions) -> None:
         self.table[slot] = (options.temperature, options.top_p, options.min_p,
@@ -122,6 +123,7 @@ class _SlotParams:
         self.has_seed[slot] = options.HasField("seed")
         self.seeds[slot] = options.seed if options.HasField("seed") else None
         self.suppressed[slot] = _i32(options.suppressed_token_ids).astype(np.int64)
+        self.version += 1
 
 
 class _Staging:
@@ -188,6 +190,9 @@ class InputBatch:
         self._param_staging = _Staging(self.params.table.size, device, torch.float32)
         self._prompt_staging = _Staging(2 * (tokens + limits.max_model_len), device)
         self._new_blocks: list[np.ndarray] | None = None  # StagedStep's new_*, set by apply()
+        # The last sampling batch that the next step may reuse: (its slots, the parameters'
+        # version, the batch); see sampling_batch
+        self._reusable: tuple[bytes, int, SamplingBatch] | None = None
 
     # -- deltas --------------------------------------------------------------------------------
 
@@ -302,6 +307,21 @@ class InputBatch:
         self.num_tokens[inputs.sampled_slots] += 1
 
     def sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
+        """The step's sampling parameters, gathered on the device, and the host's decisions on
+        them. A batch without seeds, penalties or min_tokens still to enforce depends only on
+        its slots and their parameters: the next step that samples the same slots, with no
+        parameter set in between, reuses it (a decode batch's usual case; building it took
+        0.12-0.17 ms of rank 0's host time a step)."""
+        key = inputs.sampled_slots.tobytes()
+        if self._reusable is not None and self._reusable[:2] == (key, self.params.version):
+            return self._reusable[2]
+        batch = self._new_sampling_batch(inputs)
+        is_reusable = not (batch.seeds or batch.output_counts is not None
+                           or batch.suppress_mask is not None)
+        self._reusable = (key, self.params.version, batch) if is_reusable else None
+        return batch
+
+    def _new_sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
         p, c = self.params, _SlotParams
         slots = inputs.sampled_slots
         assert p.device_table is not None, "a slot samples before any request was added"
