@@ -1,9 +1,11 @@
 """What the paged attention launchers share (no kernel here): the checks on q and the paged KV
 cache, and a launch prepared once a forward for every layer."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import triton
+from triton.compiler import CompiledKernel
 
 
 def check_paged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor,
@@ -24,19 +26,45 @@ def _layout(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype
 
 
+def _alignment(tensors: tuple[torch.Tensor, ...]) -> tuple[bool, ...]:
+    """What Triton specializes a pointer argument on besides its dtype: 16-byte alignment."""
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+# The Triton versions whose launch convention _DirectLaunch follows, read from 3.6's
+# runtime/jit.py: JITFunction.run hands the compiled kernel every parameter's value, constexprs
+# and defaults included, in the signature's order (older versions left the constexprs out).
+DIRECT_LAUNCH_TRITON_VERSIONS = ("3.6.",)
+
+
 @dataclass(frozen=True)
+class _DirectLaunch:
+    runner: object  # the compiled kernel's launcher for the grid: runner(*arguments)
+    alignment: tuple[bool, ...]  # of q, k_cache, v_cache and out, as compiled
+    tail: tuple  # the kernel's arguments after those four, in its signature's order
+
+
+@dataclass
 class PagedLaunch:
     """A paged attention kernel's launch, checked and sized once a forward (its grid, tile sizes,
     strides and the step's metadata) and run by every layer. The layers differ only in the
     kernel's first four arguments (q, k_cache, v_cache, out), which each call checks against
     the layouts it was prepared for: a prompt step between its graph pieces paid 28-36 us of
-    Python a layer (CPU-measured) to redo the rest."""
+    Python a layer (CPU-measured) to redo the rest.
+
+    The first call launches through Triton's `kernel[grid]`, which compiles the kernel or finds
+    it compiled for these arguments. The calls after it launch that compiled kernel directly
+    while their pointers are aligned as the first call's (nothing else the kernel was
+    specialized on differs between layers): Triton's `JITFunction.run` re-derives the
+    specialization and the cache key from all ~30 arguments at every launch, ~75 us a layer
+    of the H200 host's time for a mixed step's two launches (host_profile.py --timers)."""
 
     kernel: object  # a @triton.jit function
     grid: tuple[int, ...]
     rest: tuple  # the kernel's arguments after (q, k_cache, v_cache, out)
-    constexprs: dict
+    constexprs: dict  # the kernel's constexpr arguments and Triton's launch options
     layouts: tuple  # q's, k_cache's, v_cache's and out's (shape, stride, dtype)
+    _direct: _DirectLaunch | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def prepare(cls, kernel: object, grid: tuple[int, ...], q: torch.Tensor,
@@ -47,7 +75,32 @@ class PagedLaunch:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
-        assert (_layout(q), _layout(k_cache), _layout(v_cache), _layout(out)) == self.layouts, \
+        tensors = (q, k_cache, v_cache, out)
+        assert tuple(map(_layout, tensors)) == self.layouts, \
             "a layer's q, cache or out differs from the one the launch was prepared for"
-        self.kernel[self.grid](q, k_cache, v_cache, out, *self.rest, **self.constexprs)
+        direct = self._direct
+        if direct is not None and direct.alignment == _alignment(tensors):
+            direct.runner(*tensors, *direct.tail)
+            return out
+        compiled = self.kernel[self.grid](*tensors, *self.rest, **self.constexprs)
+        if direct is None and _is_compiled(compiled):
+            self._direct = _DirectLaunch(compiled[self.grid], _alignment(tensors),
+                                         self._tail(tensors))
         return out
+
+    def _tail(self, tensors: tuple[torch.Tensor, ...]) -> tuple:
+        """The kernel's arguments after `tensors` as Triton's launch hands them to the compiled
+        kernel: its signature bound and completed with defaults (what JITFunction's binder
+        does), Triton's launch options left out."""
+        signature = self.kernel.signature
+        kernel_kwargs = {k: v for k, v in self.constexprs.items() if k in signature.parameters}
+        bound = signature.bind(*tensors, *self.rest, **kernel_kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())[len(tensors):]
+
+
+def _is_compiled(launched: object) -> bool:
+    """Whether a `kernel[grid](...)` result is a compiled kernel to launch directly (under
+    Triton's interpreter it is not), from a Triton whose convention _DirectLaunch follows."""
+    return (isinstance(launched, CompiledKernel)
+            and triton.__version__.startswith(DIRECT_LAUNCH_TRITON_VERSIONS))

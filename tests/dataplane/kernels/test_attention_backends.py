@@ -2,6 +2,7 @@
 attention output over the same cache (which the Triton and torch stores fill alike), on
 decode-only and mixed batches."""
 
+import dataclasses
 import math
 
 import pytest
@@ -120,6 +121,34 @@ def test_triton_backend_layers_share_the_steps_launches(shared_buffers, lens, de
     assert ctx.attention_plan is not None
     with pytest.raises(AssertionError, match="differs from the one the launch was prepared for"):
         backend.forward(q_buffer[:, :8], kv[0, 0][..., :4, :], kv[1, 0][..., :4, :], ctx, scale)
+
+
+def test_direct_launches_hand_the_kernels_what_tritons_launch_does(device, gen):
+    """After a step's first launch its compiled kernels are launched directly (PagedLaunch): with
+    every argument after q, k_cache, v_cache and out as Triton's own binder orders and completes
+    them (its JITFunction.run hands the compiled kernel those values)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+    num_heads, num_kv_heads, head_dim, block_size = 16, 8, 32, 4
+    ctx, num_blocks = make_context(DECODES_FIRST, block_size, device, gen)
+    kv = randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32,
+               device=device, gen=gen)
+    q = randn(ctx.slot_mapping.shape[0], num_heads, head_dim, dtype=torch.float32, device=device,
+              gen=gen)
+    TritonAttention().forward(q, kv[0], kv[1], ctx, head_dim ** -0.5)
+    step = ctx.attention_plan
+    for launch, q_part, out_part in [(step.decode, step.q_parts[0], step.out_parts[0]),
+                                     (step.prefill, step.q_parts[1], step.out_parts[1])]:
+        jit = launch.kernel if isinstance(launch.kernel, JITFunction) else JITFunction(
+            launch.kernel.fn)  # under the interpreter: the kernel as Triton compiles it
+        tensors = (q_part, kv[0], kv[1], out_part)
+        binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+        params, _, _ = binder(*tensors, *launch.rest, **launch.constexprs)
+        expected = list(params.values())[len(tensors):]
+        got = dataclasses.replace(launch, kernel=jit)._tail(tensors)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            assert a is b or (not isinstance(a, torch.Tensor) and a == b)
 
 
 def test_make_backend_names(device):
