@@ -26,9 +26,11 @@ def _layout(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype
 
 
-def _alignment(tensors: tuple[torch.Tensor, ...]) -> tuple[bool, ...]:
-    """What Triton specializes a pointer argument on besides its dtype: 16-byte alignment."""
-    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+def _all_aligned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor) -> bool:
+    """Whether all four pointers are 16-byte aligned: what Triton specializes a pointer argument
+    on besides its dtype."""
+    return (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | out.data_ptr()) % 16 == 0
 
 
 # The Triton versions whose launch convention _DirectLaunch follows, read from 3.6's
@@ -40,8 +42,7 @@ DIRECT_LAUNCH_TRITON_VERSIONS = ("3.6.",)
 @dataclass(frozen=True)
 class _DirectLaunch:
     runner: object  # the compiled kernel's launcher for the grid: runner(*arguments)
-    alignment: tuple[bool, ...]  # of q, k_cache, v_cache and out, as compiled
-    tail: tuple  # the kernel's arguments after those four, in its signature's order
+    tail: tuple  # the kernel's arguments after q, k_cache, v_cache and out, in its order
 
 
 @dataclass
@@ -53,9 +54,10 @@ class PagedLaunch:
     Python a layer (CPU-measured) to redo the rest.
 
     The first call launches through Triton's `kernel[grid]`, which compiles the kernel or finds
-    it compiled for these arguments. The calls after it launch that compiled kernel directly
-    while their pointers are aligned as the first call's (nothing else the kernel was
-    specialized on differs between layers): Triton's `JITFunction.run` re-derives the
+    it compiled for these arguments. When its pointers are 16-byte aligned (as a step's
+    buffers and cache layers are), the calls after it whose pointers are too launch that
+    compiled kernel directly (nothing else the kernel was specialized on differs between
+    layers): Triton's `JITFunction.run` re-derives the
     specialization and the cache key from all ~30 arguments at every launch, ~75 us a layer
     of the H200 host's time for a mixed step's two launches (host_profile.py --timers)."""
 
@@ -79,13 +81,12 @@ class PagedLaunch:
         assert tuple(map(_layout, tensors)) == self.layouts, \
             "a layer's q, cache or out differs from the one the launch was prepared for"
         direct = self._direct
-        if direct is not None and direct.alignment == _alignment(tensors):
+        if direct is not None and _all_aligned(*tensors):
             direct.runner(*tensors, *direct.tail)
             return out
         compiled = self.kernel[self.grid](*tensors, *self.rest, **self.constexprs)
-        if direct is None and _is_compiled(compiled):
-            self._direct = _DirectLaunch(compiled[self.grid], _alignment(tensors),
-                                         self._tail(tensors))
+        if direct is None and _all_aligned(*tensors) and _is_compiled(compiled):
+            self._direct = _DirectLaunch(compiled[self.grid], self._tail(tensors))
         return out
 
     def _tail(self, tensors: tuple[torch.Tensor, ...]) -> tuple:

@@ -64,15 +64,19 @@ def test_layers_after_the_first_launch_the_compiled_kernel():
     assert kernel.calls[1] == ("direct", (2, 3), (*second, lens, 3, 2.0, 32))
 
 
-def test_pointers_aligned_otherwise_go_through_triton():
-    """Triton specializes a pointer on 16-byte alignment: a layer whose tensors are aligned
-    otherwise than the first's may need another compiled kernel, which Triton picks."""
-    kernel = _Kernel()
+def test_pointers_not_all_aligned_go_through_triton():
+    """Triton specializes a pointer on 16-byte alignment: a call whose pointers are not all
+    aligned may need another compiled kernel, which Triton picks. The kernel launched directly
+    is the one Triton returned for the first call whose pointers all were."""
     aligned, misaligned = _tensors(), _tensors(offset=1)
-    launch = PagedLaunch.prepare(kernel, (1,), aligned[0], aligned[1], aligned[3], (None, 1), {})
-    for tensors in (aligned, misaligned, aligned):
-        launch(*tensors)
-    assert [call[0] for call in kernel.calls] == ["triton", "triton", "direct"]
+    for order, expected in [((aligned, misaligned, aligned), ["triton", "triton", "direct"]),
+                            ((misaligned, aligned, aligned), ["triton", "triton", "direct"])]:
+        kernel = _Kernel()
+        first = order[0]
+        launch = PagedLaunch.prepare(kernel, (1,), first[0], first[1], first[3], (None, 1), {})
+        for tensors in order:
+            launch(*tensors)
+        assert [call[0] for call in kernel.calls] == expected
 
 
 def test_other_triton_versions_always_go_through_triton(monkeypatch):
