@@ -57,9 +57,9 @@ class PagedLaunch:
     it compiled for these arguments. When its pointers are 16-byte aligned (as a step's
     buffers and cache layers are), the calls after it whose pointers are too launch that
     compiled kernel directly (nothing else the kernel was specialized on differs between
-    layers): Triton's `JITFunction.run` re-derives the
-    specialization and the cache key from all ~30 arguments at every launch, ~75 us a layer
-    of the H200 host's time for a mixed step's two launches (host_profile.py --timers)."""
+    layers): Triton's `JITFunction.run` re-derives the specialization and the cache key from
+    all ~30 arguments at every launch, part of the ~75 us a layer of the H200 host's time that
+    a mixed step's two launches took in it (host_profile.py --timers)."""
 
     kernel: object  # a @triton.jit function
     grid: tuple[int, ...]
