@@ -86,7 +86,9 @@ class PagedLaunch:
             return out
         compiled = self.kernel[self.grid](*tensors, *self.rest, **self.constexprs)
         if direct is None and _all_aligned(*tensors) and _is_compiled(compiled):
-            self._direct = _DirectLaunch(compiled[self.grid], self._tail(tensors))
+            # the compiled kernel's launcher reads three grid sizes; kernel[grid] pads them
+            grid = (*self.grid, 1, 1)[:3]
+            self._direct = _DirectLaunch(compiled[grid], self._tail(tensors))
         return out
 
     def _tail(self, tensors: tuple[torch.Tensor, ...]) -> tuple:

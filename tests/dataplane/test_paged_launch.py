@@ -20,13 +20,14 @@ def _kernel_signature(q, k_cache, v_cache, out, lens, num_reqs, SCALE: float = 2
 
 
 class _Compiled(CompiledKernel):
-    """A compiled kernel whose launcher records its arguments."""
+    """A compiled kernel whose launcher records its arguments and reads three grid sizes, as
+    Triton 3.6's does (CompiledKernel.__getitem__)."""
 
     def __init__(self, calls: list) -> None:  # CompiledKernel's own takes a compiled binary
         self.calls = calls
 
     def __getitem__(self, grid):
-        return lambda *args: self.calls.append(("direct", grid, args))
+        return lambda *args: self.calls.append(("direct", (grid[0], grid[1], grid[2]), args))
 
 
 class _Kernel:
@@ -61,7 +62,7 @@ def test_layers_after_the_first_launch_the_compiled_kernel():
     launch(*second)
     assert kernel.calls[0] == ("triton", (2, 3), (*first, lens, 3), dict(BLOCK=32, num_warps=4))
     # the kernel's order, its defaults filled in, Triton's launch options left out
-    assert kernel.calls[1] == ("direct", (2, 3), (*second, lens, 3, 2.0, 32))
+    assert kernel.calls[1] == ("direct", (2, 3, 1), (*second, lens, 3, 2.0, 32))
 
 
 def test_pointers_not_all_aligned_go_through_triton():
