@@ -48,8 +48,7 @@ class _StepLaunches:
             (q_decodes, q_rest), (out_decodes, out_rest) = _split(q, out, self.num_decodes)
         if self.decode is not None:
             self.decode(q_decodes, k_cache, v_cache, out_decodes)
-        if self.prefill is not None:
-            self.prefill(q_rest, k_cache, v_cache, out_rest)
+        self.prefill(q_rest, k_cache, v_cache, out_rest)
 
 
 def _split(q: torch.Tensor, out: torch.Tensor, num_decodes: int) -> tuple[tuple, tuple]:
