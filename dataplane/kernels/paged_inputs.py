@@ -75,6 +75,12 @@ class PagedLaunch:
         cache = _layout(k_cache)
         return cls(kernel, grid, rest, constexprs, (_layout(q), cache, cache, _layout(out)))
 
+    @property
+    def launches_directly(self) -> bool:
+        """Whether calls after the first launch the compiled kernel (not under the interpreter,
+        nor on a Triton outside DIRECT_LAUNCH_TRITON_VERSIONS, nor after unaligned pointers)."""
+        return self._direct is not None
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
         tensors = (q, k_cache, v_cache, out)
