@@ -31,7 +31,8 @@
 #   tma-gemm       the TMA GEMM's tiles against cuBLAS at 160-256 rows, alone and in the layer;
 #                  tma-layer: only the layer as it runs against cuBLAS's qkv/gate_up, 160-256 rows;
 #                  tma-gate-up: gate_up + SiLU on it at 64-128 rows, alone and in the layer;
-#                  tma-lm-head: the LM head on it alone at 8-256 rows
+#                  tma-lm-head: the LM head on it alone at 8-256 rows; tma-prefill: gate_up +
+#                  SiLU on it alone at a prompt step's 8-16k rows, against cuBLAS + silu_and_mul
 #   gemm-tests     the decode GEMM, TMA GEMM, split-K, elementwise and decode attention kernels' tests
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   ab             bench/ab.py: workload A in-process, this tree's files against the versions in
@@ -147,6 +148,8 @@ for stage in "$@"; do
              2>&1 | grep -v Warning | tail -8 ;;
     tma-lm-head) timeout 300 python3 bench/tma_gemm_probe.py "$OUT/tma_lm_head.json" --lm-head \
              2>&1 | grep -v Warning | tail -8 ;;
+    tma-prefill) timeout 300 python3 bench/tma_gemm_probe.py "$OUT/tma_prefill.json" --prefill \
+             2>&1 | grep -v Warning | tail -4 ;;
     gemm-tiles) timeout 280 python3 bench/decode_layer_probe.py "$OUT/decode_layer_sweep.json" \
              --sweep 2>&1 | grep -v Warning | tail -12
            timeout 280 python3 bench/splitk_probe.py "$OUT/splitk_sweep.json" --sweep 2>&1 \

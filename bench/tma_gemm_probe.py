@@ -13,7 +13,8 @@ tensor core's wide side, which tied, and o_proj / down_proj on it, which lost in
 `python3 bench/tma_gemm_probe.py $OUT/tma_gemm.json` (PYTHONPATH: the repo and bench/);
 `--layer` runs only 2., at LAYER_ROWS (at 160 and 176 rows the shipped routing is cuBLAS's:
 there the arms show the probe's noise); `--gate-up`: gate_up_proj + SiLU on it at 48-128 rows,
-alone and in the layer as it runs; `--lm-head`: the LM head alone at 8-256 rows; `--check`
+alone and in the layer as it runs; `--prefill`: gate_up_proj + SiLU on it alone at a prompt
+step's 8-16k rows; `--lm-head`: the LM head alone at 8-256 rows; `--check`
 runs only a correctness check of every config on small shapes (CPU with TRITON_INTERPRET=1
 too).
 """
@@ -48,6 +49,7 @@ CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_stages=s, num_warps=w)
 SHAPES = {"qkv": (4096, 1024, False), "gate_up": (6144, 1024, True),
           "lm_head": (151936, 1024, False)}  # (N, K, gated)
 LM_HEAD_ROWS = [8, 32, 64, 128, 192, 256]
+PREFILL_ROWS = [8192, 16384]  # a prompt step's tokens (workload A's: 16,384)
 
 
 def check(on_cpu: bool) -> None:
@@ -70,9 +72,10 @@ def check(on_cpu: bool) -> None:
 
 
 def alone(rows: int, name: str, weights: list[torch.Tensor], x: torch.Tensor,
-          configs: list[dict] = CONFIGS) -> dict:
+          configs: list[dict] = CONFIGS, pdl_too: bool = True) -> dict:
     """One GEMM 28 times in a graph: cuBLAS, then each config that fits the shared memory, then
-    the three fastest with PDL; each config's largest difference from cuBLAS's result."""
+    (pdl_too) the three fastest with PDL; each config's largest difference from cuBLAS's
+    result."""
     from kernels import graph_us
     from dataplane.kernels.silu_and_mul import silu_and_mul
     gated = SHAPES[name][2]
@@ -98,7 +101,8 @@ def alone(rows: int, name: str, weights: list[torch.Tensor], x: torch.Tensor,
     fitting = [cfg for cfg in configs if smem_bytes(cfg, gated) <= SMEM_LIMIT]
     result["configs"] = [timed(cfg, False) for cfg in fitting]
     fastest = sorted((c for c in result["configs"] if "us" in c), key=lambda c: c["us"])[:3]
-    result["configs"] += [timed({k: c[k] for k in CONFIGS[0]}, True) for c in fastest]
+    if pdl_too:
+        result["configs"] += [timed({k: c[k] for k in CONFIGS[0]}, True) for c in fastest]
     ok = sorted((c for c in result["configs"] if "us" in c), key=lambda c: c["us"])
     result["best"] = ok[0]
     top = "; ".join(f"{c['us']:.2f} m{c['BLOCK_M']} n{c['BLOCK_N']} k{c['BLOCK_K']} "
@@ -169,6 +173,22 @@ def small_gate_up(report: dict) -> None:
             json.dump(report, f, indent=1)
 
 
+def prefill_gate_up(report: dict) -> None:
+    """gate_up_proj + SiLU on the TMA GEMM alone at PREFILL_ROWS, where cuBLAS (~93% of the
+    dense peak there, profile-prefill-84f0c9d.log) + silu_and_mul run it. The gated epilogue
+    saves silu_and_mul's round trip of the [rows, 6144] product, ~71 us of a 16k-token layer:
+    it pays if the kernel comes within that of cuBLAS's GEMM. 128- and 256-row tiles."""
+    from decode_layer_probe import LAYERS, randn
+    n, k, _ = SHAPES["gate_up"]
+    weights = [randn(n, k, scale=k ** -0.5) for _ in range(LAYERS)]
+    configs = [cfg for cfg in CONFIGS if cfg["BLOCK_M"] >= 128 and cfg["BLOCK_K"] == 64]
+    for rows in PREFILL_ROWS:
+        report["shapes"].append(dict(rows=rows, alone={
+            "gate_up": alone(rows, "gate_up", weights, randn(rows, k), configs, pdl_too=False)}))
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def lm_head(report: dict) -> None:
     """The LM head (Qwen3-0.6B's tied 151,936 x 1024 embedding) alone at LM_HEAD_ROWS, four
     distinct weights of 311 MB (each far past the L2) in the graph."""
@@ -197,6 +217,9 @@ def main() -> None:
         return
     if "--gate-up" in sys.argv:
         small_gate_up(report)
+        return
+    if "--prefill" in sys.argv:
+        prefill_gate_up(report)
         return
     if "--layer" in sys.argv:
         for rows in LAYER_ROWS:
