@@ -52,6 +52,13 @@ LM_HEAD_ROWS = [8, 32, 64, 128, 192, 256]
 PREFILL_ROWS = [8192, 16384]  # a prompt step's tokens (workload A's: 16,384)
 
 
+def save(report: dict) -> None:
+    """The report so far to the JSON path on the command line (after each shape: a probe cut
+    short by its timeout keeps what it measured)."""
+    with open(sys.argv[1], "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def check(on_cpu: bool) -> None:
     """Every config against the reference on small shapes (float32 sums of bf16 inputs; on the
     CPU, float16: the interpreter reads bf16 descriptors wrong)."""
@@ -169,8 +176,7 @@ def small_gate_up(report: dict) -> None:
         report["shapes"].append(dict(rows=rows, context=context, alone={"gate_up": tiles},
                                      layer_us=layer(rows, {"shipped": None, "tma": column},
                                                     context)))
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
+        save(report)
 
 
 def prefill_gate_up(report: dict) -> None:
@@ -185,8 +191,7 @@ def prefill_gate_up(report: dict) -> None:
     for rows in PREFILL_ROWS:
         report["shapes"].append(dict(rows=rows, alone={
             "gate_up": alone(rows, "gate_up", weights, randn(rows, k), configs, pdl_too=False)}))
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
+        save(report)
 
 
 def lm_head(report: dict) -> None:
@@ -199,8 +204,7 @@ def lm_head(report: dict) -> None:
         report["shapes"].append(dict(rows=rows, alone={
             "lm_head": alone(rows, "lm_head", weights, randn(rows, k),
                              [cfg for cfg in CONFIGS if cfg["BLOCK_M"] <= max(64, rows)])}))
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
+        save(report)
 
 
 def main() -> None:
@@ -224,8 +228,7 @@ def main() -> None:
     if "--layer" in sys.argv:
         for rows in LAYER_ROWS:
             report["shapes"].append(dict(rows=rows, layer_us=layer(rows, LARGE_ARMS)))
-            with open(sys.argv[1], "w") as f:
-                json.dump(report, f, indent=1)
+            save(report)
         return
     for rows in ROWS:
         entry = dict(rows=rows, alone={})
@@ -234,8 +237,7 @@ def main() -> None:
             entry["alone"][name] = alone(rows, name, weights, randn(rows, k))
         entry["layer_us"] = layer(rows, LARGE_ARMS)
         report["shapes"].append(entry)
-        with open(sys.argv[1], "w") as f:
-            json.dump(report, f, indent=1)
+        save(report)
 
 
 if __name__ == "__main__":

@@ -86,12 +86,12 @@ class PagedLaunch:
         tensors = (q, k_cache, v_cache, out)
         assert tuple(map(_layout, tensors)) == self.layouts, \
             "a layer's q, cache or out differs from the one the launch was prepared for"
-        direct = self._direct
-        if direct is not None and _all_aligned(*tensors):
+        direct, is_aligned = self._direct, _all_aligned(*tensors)
+        if direct is not None and is_aligned:
             direct.runner(*tensors, *direct.tail)
             return out
         compiled = self.kernel[self.grid](*tensors, *self.rest, **self.constexprs)
-        if direct is None and _all_aligned(*tensors) and _is_compiled(compiled):
+        if direct is None and is_aligned and _is_compiled(compiled):
             # the compiled kernel's launcher reads three grid sizes; kernel[grid] pads them
             grid = (*self.grid, 1, 1)[:3]
             self._direct = _DirectLaunch(compiled[grid], self._tail(tensors))
