@@ -49,7 +49,13 @@ CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_stages=s, num_warps=w)
 SHAPES = {"qkv": (4096, 1024, False), "gate_up": (6144, 1024, True),
           "lm_head": (151936, 1024, False)}  # (N, K, gated)
 LM_HEAD_ROWS = [8, 32, 64, 128, 192, 256]
-PREFILL_ROWS = [8192, 16384]  # a prompt step's tokens (workload A's: 16,384)
+PREFILL_ROWS = [2048, 4096, 8192, 16384]  # a prompt step's tokens (workload A's: 16,384)
+# 128- and 256-row tiles, 64-deep K, with and without grouped row tiles (GROUP_M); one
+# warpgroup only for 64-column tiles (two 128 x 128 float32 sums would spill from it)
+PREFILL_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=64, num_stages=s, num_warps=w, GROUP_M=g)
+                   for m, n, s, w, g in itertools.product((128, 256), (64, 128), (3, 4), (4, 8),
+                                                          (0, 8))
+                   if (w == 8 or m == 128 and n == 64)]
 
 
 def save(report: dict) -> None:
@@ -109,11 +115,11 @@ def alone(rows: int, name: str, weights: list[torch.Tensor], x: torch.Tensor,
     result["configs"] = [timed(cfg, False) for cfg in fitting]
     fastest = sorted((c for c in result["configs"] if "us" in c), key=lambda c: c["us"])[:3]
     if pdl_too:
-        result["configs"] += [timed({k: c[k] for k in CONFIGS[0]}, True) for c in fastest]
+        result["configs"] += [timed({k: c[k] for k in configs[0]}, True) for c in fastest]
     ok = sorted((c for c in result["configs"] if "us" in c), key=lambda c: c["us"])
     result["best"] = ok[0]
     top = "; ".join(f"{c['us']:.2f} m{c['BLOCK_M']} n{c['BLOCK_N']} k{c['BLOCK_K']} "
-                    f"s{c['num_stages']} w{c['num_warps']}"
+                    f"s{c['num_stages']} w{c['num_warps']} g{c.get('GROUP_M', 0)}"
                     f"{' pdl' if c['pdl'] else ''} (diff {c['max_abs_diff']:.1e})"
                     for c in ok[:3])
     print(f"{rows:3d} rows {name:7s}: cuBLAS {result['cublas_us']:.2f} us; TMA {top}", flush=True)
@@ -183,13 +189,15 @@ def prefill_gate_up(report: dict) -> None:
     """gate_up_proj + SiLU on the TMA GEMM alone at PREFILL_ROWS, where cuBLAS (~93% of the
     dense peak there, profile-prefill-84f0c9d.log) + silu_and_mul run it. The gated epilogue
     saves silu_and_mul's round trip of the [rows, 6144] product, ~71 us of a 16k-token layer:
-    it pays if the kernel comes within that of cuBLAS's GEMM. 128- and 256-row tiles."""
+    it pays if the kernel comes within that of cuBLAS's GEMM. PREFILL_CONFIGS, and the shipped
+    choice at each size (tma_matmul_config)."""
     from decode_layer_probe import LAYERS, randn
+    from dataplane.kernels.tma_matmul import tma_matmul_config
     n, k, _ = SHAPES["gate_up"]
     weights = [randn(n, k, scale=k ** -0.5) for _ in range(LAYERS)]
-    configs = [cfg for cfg in CONFIGS if cfg["BLOCK_M"] >= 128 and cfg["BLOCK_K"] == 64]
     for rows in PREFILL_ROWS:
-        report["shapes"].append(dict(rows=rows, alone={
+        configs = PREFILL_CONFIGS + [tma_matmul_config(True, rows)]
+        report["shapes"].append(dict(rows=rows, shipped=tma_matmul_config(True, rows), alone={
             "gate_up": alone(rows, "gate_up", weights, randn(rows, k), configs, pdl_too=False)}))
         save(report)
 

@@ -34,11 +34,12 @@ from dataplane.kernels.sizes import cdiv
 def _tma_matmul_kernel(
     x_desc, w_desc, out_desc, w_ptr,
     K: tl.constexpr, UP_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ELEMS_PER_LINE: tl.constexpr,
-    NUM_LINES_POW2: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
+    ELEMS_PER_LINE: tl.constexpr, NUM_LINES_POW2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    off_m = tl.program_id(0) * BLOCK_M
-    off_n = tl.program_id(1) * BLOCK_N
+    pid_m, pid_n = _tile(GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
     gated = UP_OFFSET > 0  # UP_OFFSET: the up rows' first row in w (gate's are the first)
     if USE_PDL and tl.program_id(0) == 0:  # the weights are no kernel's output
         cols = off_n + tl.arange(0, BLOCK_N)
@@ -59,6 +60,23 @@ def _tma_matmul_kernel(
     out_desc.store([off_m, off_n], acc.to(dtype))
 
 
+@triton.jit
+def _tile(GROUP_M: tl.constexpr):
+    """This program's (row tile, column tile). GROUP_M 0: the grid's own order, the row tiles
+    of a column strip neighbours (a decode batch's few row tiles share the strip's weights in
+    the L2). Else column strips walked GROUP_M row tiles at a time, so that the programs running
+    together read GROUP_M row tiles of x and not all of them (a prompt step's x is 32 MB at 16k
+    rows, re-read from memory for every strip in the grid's order)."""
+    if GROUP_M == 0:
+        return tl.program_id(0), tl.program_id(1)
+    num_m = tl.num_programs(0)
+    pid = tl.program_id(1) * num_m + tl.program_id(0)
+    per_group = GROUP_M * tl.num_programs(1)
+    first_m = pid // per_group * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + pid % per_group % group_rows, pid % per_group // group_rows
+
+
 # Bounds and tiles: bench/tma_gemm_probe.py on the H200 (us a Qwen3-0.6B layer as it runs, 28
 # layers in a CUDA graph, 640-key contexts). With qkv_proj and gate_up_proj on this kernel the
 # layer took 0.5-1.5 us less than with cuBLAS at 192 rows, 1.2-2.3 at 208-256
@@ -69,12 +87,21 @@ def _tma_matmul_kernel(
 # warpgroup) beat 128 and 256.
 MIN_ROWS = 177  # 176 runs in three 64-row tiles like 192, but cuBLAS is faster at fewer rows
 MAX_ROWS = 256  # the largest measured
-_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_stages=4, num_warps=4)
-_GATED_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4, num_warps=4)
+_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_stages=4, num_warps=4, GROUP_M=0)
+_GATED_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4, num_warps=4, GROUP_M=0)
+# Prompt steps: gate_up_proj + SiLU from PREFILL_MIN_ROWS rows, where cuBLAS runs the GEMM near
+# the dense peak and silu_and_mul then reads its [rows, 2 x width] product back (~71 us of a
+# 16k-token Qwen3-0.6B layer, profile-prefill-84f0c9d.log): the epilogue saves that round trip
+# if the kernel comes close enough to cuBLAS (bench/tma_gemm_probe.py --prefill).
+PREFILL_MIN_ROWS = 2048
+_PREFILL_GATED_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=3, num_warps=8,
+                             GROUP_M=8)
 
 
-def tma_matmul_config(gated: bool) -> dict:
-    """The kernel settings (shared: copy before changing)."""
+def tma_matmul_config(gated: bool, num_rows: int = MAX_ROWS) -> dict:
+    """The kernel settings for num_rows rows (shared: copy before changing)."""
+    if gated and num_rows >= PREFILL_MIN_ROWS:
+        return _PREFILL_GATED_CONFIG
     return _GATED_CONFIG if gated else _CONFIG
 
 
@@ -82,9 +109,12 @@ def tma_matmul_pays(x: torch.Tensor, n: int, k: int, gated: bool = False) -> boo
     """Whether tma_matmul beats cuBLAS (and a separate SiLU-and-mul) for x [num_rows, k] @ a
     weight of n output columns (gated: the width of gate alone), and TMA can read x: a CUDA
     device of compute capability 9 or later, 16-bit floats, 16-byte aligned rows, and a Triton
-    with host-side TMA descriptors."""
-    cfg = tma_matmul_config(gated)
-    return (TensorDescriptor is not None and MIN_ROWS <= x.shape[0] <= MAX_ROWS and k <= MAX_K
+    with host-side TMA descriptors. MIN_ROWS-MAX_ROWS rows (a decode step's), or gated from
+    PREFILL_MIN_ROWS (a prompt step's)."""
+    num_rows = x.shape[0]
+    cfg = tma_matmul_config(gated, num_rows)
+    in_range = MIN_ROWS <= num_rows <= MAX_ROWS or gated and num_rows >= PREFILL_MIN_ROWS
+    return (TensorDescriptor is not None and in_range and k <= MAX_K
             and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
             and torch.cuda.get_device_capability(x.device)[0] >= 9
             and x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
@@ -96,10 +126,10 @@ def tma_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
     """x: [num_rows, K] (rows may be strided), w: [N, K] contiguous, both bf16 or fp16. Returns
     x @ w.T [num_rows, N], or with gated silu(x @ w[:N/2].T) * (x @ w[N/2:].T) [num_rows, N/2].
     config: over tma_matmul_config's choice (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
-    num_warps)."""
+    num_warps, GROUP_M)."""
     assert x.dtype in (torch.bfloat16, torch.float16), x.dtype
     num_rows, k = x.shape
-    cfg = tma_matmul_config(gated) | (config or {})
+    cfg = tma_matmul_config(gated, num_rows) | (config or {})
     out = gemm_output(x, w, gated, cfg, out)
     n, width = w.shape[0], out.shape[1]
     if num_rows == 0:
@@ -111,7 +141,8 @@ def tma_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
     grid = (cdiv(num_rows, bm), width // bn)
     _tma_matmul_kernel[grid](
         x_desc, w_desc, out_desc, w, K=k, UP_OFFSET=width if gated else 0, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
+        BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=cfg["num_stages"], GROUP_M=cfg.get("GROUP_M", 0),
+        num_warps=cfg["num_warps"],
         **prefetch_args(w, k), **launch_options(x.device, num_rows))
     return out
 
