@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("triton")
 
 from dataplane.kernels.tma_matmul import (  # noqa: E402
-    MAX_ROWS, MIN_ROWS, tma_matmul, tma_matmul_pays, tma_matmul_ref)
+    MAX_ROWS, MIN_ROWS, PREFILL_MIN_ROWS, tma_matmul, tma_matmul_pays, tma_matmul_ref)
 from dataplane.layers.linear import QKVParallelLinear  # noqa: E402
 from dataplane.models.qwen3 import Qwen3MLP  # noqa: E402
 from tests.dataplane.kernels.helpers import (  # noqa: E402
@@ -31,6 +31,18 @@ def test_tma_matmul_against_torch(dtype, gated, num_rows, n, k, device, gen):
 
 
 @pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("group_m", [0, 2, 3])
+@pytest.mark.parametrize("num_rows", [300, 700])
+def test_grouped_row_tiles_cover_every_tile_once(gated, group_m, num_rows, device, gen):
+    """GROUP_M walks the column strips a few row tiles at a time (prompt steps); the last group
+    is shorter when GROUP_M does not divide the row tiles (5 and 11 tiles of 64 rows here)."""
+    dtype = torch.float16
+    x, w = gemm_operands(num_rows, 256, 128, dtype, device, gen)
+    cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=2, num_warps=4, GROUP_M=group_m)
+    assert_close(tma_matmul(x, w, gated, cfg), tma_matmul_ref(x, w, gated), dtype)
+
+
+@pytest.mark.parametrize("gated", [False, True])
 def test_tma_matmul_of_strided_rows_into_a_given_buffer(gated, device, gen):
     """Rows that are a slice of a wider tensor, output written into `out` and nothing past its
     rows; no rows: no launch."""
@@ -46,10 +58,12 @@ def test_tma_matmul_of_strided_rows_into_a_given_buffer(gated, device, gen):
     assert tma_matmul(x[:0], w, gated=gated).shape == (0, out.shape[1])
 
 
-@pytest.mark.parametrize("num_rows", [MIN_ROWS - 1, MIN_ROWS, 192, MAX_ROWS, MAX_ROWS + 1])
-def test_qkv_and_mlp_layers_in_bf16_at_large_decode_batches(num_rows, device, gen):
+@pytest.mark.parametrize("num_rows", [MIN_ROWS - 1, MIN_ROWS, 192, MAX_ROWS, MAX_ROWS + 1,
+                                      PREFILL_MIN_ROWS - 1, PREFILL_MIN_ROWS + 100])
+def test_qkv_and_mlp_layers_in_bf16_at_large_batches(num_rows, device, gen):
     """Qwen3-0.6B's qkv_proj and MLP against cuBLAS, silu_and_mul and cuBLAS: the TMA GEMM
-    (gate_up_proj with its gated epilogue) at MIN_ROWS-MAX_ROWS rows, cuBLAS around."""
+    (gate_up_proj with its gated epilogue) at MIN_ROWS-MAX_ROWS rows and gate_up_proj from
+    PREFILL_MIN_ROWS (a prompt step's rows, in grouped row tiles), cuBLAS elsewhere."""
     if not on_gpu(device) or torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("the TMA GEMM runs on CUDA devices of compute capability 9 and later")
     dtype = torch.bfloat16
@@ -63,7 +77,8 @@ def test_qkv_and_mlp_layers_in_bf16_at_large_decode_batches(num_rows, device, ge
     x = randn(num_rows, 1024, dtype=dtype, device=device, gen=gen)
     takes_it = MIN_ROWS <= num_rows <= MAX_ROWS
     assert tma_matmul_pays(x, 4096, 1024) == takes_it
-    assert tma_matmul_pays(x, 3072, 1024, gated=True) == takes_it
+    assert tma_matmul_pays(x, 3072, 1024, gated=True) == (takes_it
+                                                          or num_rows >= PREFILL_MIN_ROWS)
     with torch.inference_mode():
         assert_close(qkv(x), torch.nn.functional.linear(x, qkv.weight), dtype)
         hidden = tma_matmul_ref(x, mlp.gate_up_proj.weight, gated=True)
