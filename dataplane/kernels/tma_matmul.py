@@ -1,5 +1,6 @@
 """y = x @ w.T for decode steps of 177-256 rows, for the column-parallel layers (qkv_proj,
-gate_up_proj), optionally with SiLU-and-mul in the epilogue (decode_matmul.py's gated form).
+gate_up_proj), optionally with SiLU-and-mul in the epilogue (decode_matmul.py's gated form);
+and gate_up_proj + SiLU in prompt steps of 2,048 rows and more.
 Hopper and later: both operands arrive through the Tensor Memory Accelerator (TMA), the
 hardware's bulk copies into shared memory, and the output leaves through it.
 
@@ -90,18 +91,23 @@ MAX_ROWS = 256  # the largest measured
 _CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_stages=4, num_warps=4, GROUP_M=0)
 _GATED_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4, num_warps=4, GROUP_M=0)
 # Prompt steps: gate_up_proj + SiLU from PREFILL_MIN_ROWS rows, where cuBLAS runs the GEMM near
-# the dense peak and silu_and_mul then reads its [rows, 2 x width] product back (~71 us of a
-# 16k-token Qwen3-0.6B layer, profile-prefill-84f0c9d.log): the epilogue saves that round trip
-# if the kernel comes close enough to cuBLAS (bench/tma_gemm_probe.py --prefill).
-PREFILL_MIN_ROWS = 2048
+# the dense peak and silu_and_mul then reads its [rows, 2 x width] product back. On an H100
+# (tma_gemm_probe.py --prefill, bench/results/h100/tma_prefill-d10ea35.json; 28 layers in a
+# graph) this kernel took 43.6 / 83.6 / 175.8 / 364.9 us a layer at 2k / 4k / 8k / 16k rows
+# against cuBLAS + silu_and_mul's 49.2 / 99.1 / 211.6 / 421.7; on workload A (ab_prefill-d10ea35)
+# the prompt steps took 36.1-36.2 ms against 37.2-37.6. 128 x 128 tiles in 3 stages were the
+# best at 4k-16k rows and within 1 us of it at 2k. Grouped row tiles (GROUP_M 8) took 401 ->
+# 365 us at 16k rows, tied at 8k and lost at 4k (89 against 84): grouped above 8,192 rows.
+PREFILL_MIN_ROWS = 2048  # a step of 1,025-2,048 tokens runs in the 2,048-token graph pieces
+PREFILL_GROUPED_ABOVE = 8192
 _PREFILL_GATED_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=3, num_warps=8,
-                             GROUP_M=8)
+                             GROUP_M=0)
 
 
 def tma_matmul_config(gated: bool, num_rows: int = MAX_ROWS) -> dict:
     """The kernel settings for num_rows rows (shared: copy before changing)."""
     if gated and num_rows >= PREFILL_MIN_ROWS:
-        return _PREFILL_GATED_CONFIG
+        return _PREFILL_GATED_CONFIG | dict(GROUP_M=8 if num_rows > PREFILL_GROUPED_ABOVE else 0)
     return _GATED_CONFIG if gated else _CONFIG
 
 

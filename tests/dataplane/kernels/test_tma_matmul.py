@@ -7,7 +7,8 @@ import torch
 pytest.importorskip("triton")
 
 from dataplane.kernels.tma_matmul import (  # noqa: E402
-    MAX_ROWS, MIN_ROWS, PREFILL_MIN_ROWS, tma_matmul, tma_matmul_pays, tma_matmul_ref)
+    MAX_ROWS, MIN_ROWS, PREFILL_GROUPED_ABOVE, PREFILL_MIN_ROWS, tma_matmul, tma_matmul_pays,
+    tma_matmul_ref)
 from dataplane.layers.linear import QKVParallelLinear  # noqa: E402
 from dataplane.models.qwen3 import Qwen3MLP  # noqa: E402
 from tests.dataplane.kernels.helpers import (  # noqa: E402
@@ -59,11 +60,13 @@ def test_tma_matmul_of_strided_rows_into_a_given_buffer(gated, device, gen):
 
 
 @pytest.mark.parametrize("num_rows", [MIN_ROWS - 1, MIN_ROWS, 192, MAX_ROWS, MAX_ROWS + 1,
-                                      PREFILL_MIN_ROWS - 1, PREFILL_MIN_ROWS + 100])
+                                      PREFILL_MIN_ROWS - 1, PREFILL_MIN_ROWS + 100,
+                                      PREFILL_GROUPED_ABOVE + 1])
 def test_qkv_and_mlp_layers_in_bf16_at_large_batches(num_rows, device, gen):
     """Qwen3-0.6B's qkv_proj and MLP against cuBLAS, silu_and_mul and cuBLAS: the TMA GEMM
     (gate_up_proj with its gated epilogue) at MIN_ROWS-MAX_ROWS rows and gate_up_proj from
-    PREFILL_MIN_ROWS (a prompt step's rows, in grouped row tiles), cuBLAS elsewhere."""
+    PREFILL_MIN_ROWS (a prompt step's rows; in grouped row tiles above PREFILL_GROUPED_ABOVE),
+    cuBLAS elsewhere."""
     if not on_gpu(device) or torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("the TMA GEMM runs on CUDA devices of compute capability 9 and later")
     dtype = torch.bfloat16
