@@ -56,7 +56,8 @@ def _our_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               gated: bool, before_silu: bool = False) -> torch.Tensor | None:
     """One of our GEMMs' output where it pays (a CUDA batch of decode size, no bias), else
     None: the decode GEMM up to its bounds (kernels/decode_matmul.py: cuBLAS's floor there is ~2x
-    the weights' bytes), the TMA GEMM at 177-256 rows (kernels/tma_matmul.py).
+    the weights' bytes), the TMA GEMM at 177-256 rows and, gated, in prompt steps
+    (kernels/tma_matmul.py).
     before_silu: plain, for a separate SiLU-and-mul (decode_matmul_pays)."""
     if not x.is_cuda or bias is not None or x.dim() != 2 or x.stride(1) != 1 \
             or x.dtype != weight.dtype:
@@ -99,9 +100,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] projection: [num_tokens, output_sizes[0] / tp].
-        On CUDA at small decode sizes and at 177-256 rows the activation is the GEMM's
-        epilogue; else a kernel after the GEMM, which up to decode_matmul.MAX_ROWS_PLAIN_MLP is
-        ours too, so that PDL chains it with the norm before and the activation after."""
+        On CUDA at small decode sizes, at 177-256 rows and from tma_matmul.PREFILL_MIN_ROWS
+        rows (prompt steps) the activation is the GEMM's epilogue; else a kernel after the
+        GEMM, which up to decode_matmul.MAX_ROWS_PLAIN_MLP is ours too, so that PDL chains it
+        with the norm before and the activation after."""
         assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
         y = _our_gemm(x, self.weight, self.bias, gated=True)
         if y is not None:

@@ -1,5 +1,6 @@
 """The TMA GEMM (plain and with SiLU-and-mul in its epilogue) against cuBLAS / torch, and the
-layers that take it at 177-256 rows (qkv_proj, the dense MLP's gate_up_proj)."""
+layers that take it at 177-256 rows (qkv_proj, the dense MLP's gate_up_proj) and in prompt steps
+(gate_up_proj)."""
 
 import pytest
 import torch
