@@ -190,14 +190,15 @@ def prefill_gate_up(report: dict) -> None:
     dense peak there, profile-prefill-84f0c9d.log) + silu_and_mul run it. The gated epilogue
     saves silu_and_mul's round trip of the [rows, 6144] product, ~71 us of a 16k-token layer:
     it pays if the kernel comes within that of cuBLAS's GEMM. PREFILL_CONFIGS, and the shipped
-    choice at each size (tma_matmul_config)."""
+    choice at each size (tma_matmul_config) where it is not one of them."""
     from decode_layer_probe import LAYERS, randn
     from dataplane.kernels.tma_matmul import tma_matmul_config
     n, k, _ = SHAPES["gate_up"]
     weights = [randn(n, k, scale=k ** -0.5) for _ in range(LAYERS)]
     for rows in PREFILL_ROWS:
-        configs = PREFILL_CONFIGS + [tma_matmul_config(True, rows)]
-        report["shapes"].append(dict(rows=rows, shipped=tma_matmul_config(True, rows), alone={
+        shipped = tma_matmul_config(True, rows)
+        configs = PREFILL_CONFIGS + ([] if shipped in PREFILL_CONFIGS else [shipped])
+        report["shapes"].append(dict(rows=rows, shipped=shipped, alone={
             "gate_up": alone(rows, "gate_up", weights, randn(rows, k), configs, pdl_too=False)}))
         save(report)
 

@@ -93,7 +93,7 @@ _GATED_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4, num_warps
 # Prompt steps: gate_up_proj + SiLU from PREFILL_MIN_ROWS rows, where cuBLAS runs the GEMM near
 # the dense peak and silu_and_mul then reads its [rows, 2 x width] product back. On an H100
 # (tma_gemm_probe.py --prefill, bench/results/h100/tma_prefill-d10ea35.json; 28 layers in a
-# graph) this kernel took 43.6 / 83.6 / 175.8 / 364.9 us a layer at 2k / 4k / 8k / 16k rows
+# graph) this kernel took 43.3 / 83.6 / 175.8 / 364.9 us a layer at 2k / 4k / 8k / 16k rows
 # against cuBLAS + silu_and_mul's 49.2 / 99.1 / 211.6 / 421.7; on workload A (ab_prefill-d10ea35)
 # the prompt steps took 36.1-36.2 ms against 37.2-37.6. 128 x 128 tiles in 3 stages were the
 # best at 4k-16k rows and within 1 us of it at 2k. Grouped row tiles (GROUP_M 8) took 401 ->
@@ -102,12 +102,15 @@ PREFILL_MIN_ROWS = 2048  # a step of 1,025-2,048 tokens runs in the 2,048-token 
 PREFILL_GROUPED_ABOVE = 8192
 _PREFILL_GATED_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=3, num_warps=8,
                              GROUP_M=0)
+_PREFILL_GROUPED_CONFIG = _PREFILL_GATED_CONFIG | dict(GROUP_M=8)
 
 
 def tma_matmul_config(gated: bool, num_rows: int = MAX_ROWS) -> dict:
     """The kernel settings for num_rows rows (shared: copy before changing)."""
+    if gated and num_rows > PREFILL_GROUPED_ABOVE:
+        return _PREFILL_GROUPED_CONFIG
     if gated and num_rows >= PREFILL_MIN_ROWS:
-        return _PREFILL_GATED_CONFIG | dict(GROUP_M=8 if num_rows > PREFILL_GROUPED_ABOVE else 0)
+        return _PREFILL_GATED_CONFIG
     return _GATED_CONFIG if gated else _CONFIG
 
 
@@ -147,7 +150,7 @@ def tma_matmul(x: torch.Tensor, w: torch.Tensor, gated: bool = False,
     grid = (cdiv(num_rows, bm), width // bn)
     _tma_matmul_kernel[grid](
         x_desc, w_desc, out_desc, w, K=k, UP_OFFSET=width if gated else 0, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=cfg["num_stages"], GROUP_M=cfg.get("GROUP_M", 0),
+        BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=cfg["num_stages"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"],
         **prefetch_args(w, k), **launch_options(x.device, num_rows))
     return out
