@@ -18,6 +18,8 @@ from splitserve.llm import LLM
 LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 129, 250, 300]
 LONG_BUDGET = 1024
 LONG_PROMPT = 700  # over 512 tokens: the prefill kernel's 3-stage (num_stages) variant
+PROMPT_STEP_BUDGET = 2048  # steps of 2,048 rows: the TMA kernels of prompt steps (tma_qkv.py,
+PROMPT_STEP = 1100  # tma_matmul.py's gated prefill tiles), two prompts' chunks filling a step
 
 
 def compiled_kernels() -> set[str]:
@@ -65,6 +67,9 @@ def main() -> None:
             # blocks come from the prefix cache: ~60 of their tokens are computed)
             long = [rng.randrange(vocab) for _ in range(LONG_PROMPT)]
             llm.generate([long, *prompts[:11]], per_prompt[:12], ignore_eos=True)
+        if budget >= PROMPT_STEP_BUDGET:
+            longs = [[rng.randrange(vocab) for _ in range(PROMPT_STEP)] for _ in range(2)]
+            llm.generate(longs, per_prompt[:2], ignore_eos=True)
         after = compiled_kernels()
     finally:
         llm.close()

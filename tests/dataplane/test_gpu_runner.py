@@ -162,6 +162,7 @@ def test_prompt_graphs_give_the_eager_logits(checkpoints, moe_checkpoints, name)
 @pytest.mark.parametrize("model,dtype,backend,budget", [("untied", "auto", "auto", 64),
                                                         ("default", "bfloat16", "auto", 64),
                                                         ("default", "bfloat16", "auto", 1024),
+                                                        ("default", "bfloat16", "auto", 2048),
                                                         ("untied", "auto", "torch", 64)])
 def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, model, dtype, backend,
                                                    budget):
@@ -172,7 +173,8 @@ def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, model,
     bf16 tiles (the tiny checkpoint's hidden size of 64 does not: cuBLAS), both its row tile
     sizes met by the probe's decode batches and 33-64-token prompt steps, and with a budget of
     1024 tokens a step of a long prompt among short ones (the prefill kernel's other grid,
-    which compiled inside workload A's steps at 127bf0b); and with the torch attention backend
+    which compiled inside workload A's steps at 127bf0b), and with one of 2,048 steps of two
+    long prompts (the TMA kernels of prompt steps); and with the torch attention backend
     (the other kernels are still ours)."""
     if model == "default":  # test_decode_matmul.py checks that its shapes take the GEMM
         checkpoint = tmp_path / "default"
