@@ -204,11 +204,12 @@ def prefill_gate_up(report: dict) -> None:
         save(report)
 
 
-# kernels/tma_qkv.py: 128- and 256-row tiles of one head, 3-4 stages, with and without grouping
-QKV_CONFIGS = [dict(BLOCK_M=m, BLOCK_K=k, num_stages=s, num_warps=w, GROUP_M=g)
-               for m, k, s, w, g in itertools.product((128, 256), (64, 128), (3, 4), (4, 8),
-                                                      (0, 8))
-               if (m == 128 or w == 8) and (k == 64 or s == 3)]
+# kernels/tma_qkv.py: 128- and 256-row tiles of one head or two, 3-4 stages, with and without
+# grouping (a 256-row tile of two heads would hold 256 float32 sums a thread)
+QKV_CONFIGS = [dict(BLOCK_M=m, BLOCK_K=64, num_stages=s, num_warps=w, GROUP_M=g,
+                    HEADS_PER_PROGRAM=h)
+               for m, s, w, g, h in itertools.product((128, 256), (3, 4), (4, 8), (0, 8), (1, 2))
+               if m == 128 or w == 8 and h == 1]
 
 
 def prefill_qkv(report: dict) -> None:
@@ -257,11 +258,11 @@ def prefill_qkv(report: dict) -> None:
                 entry["qkv_prologue"]["configs"].append(cfg | dict(error=f"{e}"[:200]))
         ok = sorted((c for c in entry["qkv_prologue"]["configs"] if "us" in c),
                     key=lambda c: c["us"])
-        print(f"{rows:5d} rows qkv + prologue: unfused {entry['qkv_prologue']['unfused_us']:.1f}"
-              f" us; fused " + "; ".join(f"{c['us']:.1f} m{c['BLOCK_M']} k{c['BLOCK_K']} "
-                                         f"s{c['num_stages']} w{c['num_warps']} g{c['GROUP_M']}"
-                                         f" (diff {c['max_abs_diff']:.1e})" for c in ok[:4]),
-              flush=True)
+        tiles = "; ".join(f"{c['us']:.1f} m{c['BLOCK_M']} s{c['num_stages']} w{c['num_warps']} "
+                          f"g{c['GROUP_M']} h{c['HEADS_PER_PROGRAM']} (diff {c['max_abs_diff']:.1e})"
+                          for c in ok[:4])
+        print(f"{rows:5d} rows qkv + prologue: unfused "
+              f"{entry['qkv_prologue']['unfused_us']:.1f} us; fused {tiles}", flush=True)
         report["shapes"].append(entry)
         save(report)
 

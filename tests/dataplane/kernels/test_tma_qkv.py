@@ -15,7 +15,7 @@ from tests.dataplane.kernels.helpers import (  # noqa: E402
 
 pytestmark = KERNEL_MARKS
 EPS = 1e-6
-SMALL = dict(BLOCK_M=64, BLOCK_K=64, num_stages=2, num_warps=4)  # quick under the interpreter
+SMALL = dict(BLOCK_M=64, BLOCK_K=64, num_stages=2, num_warps=4, HEADS_PER_PROGRAM=1)  # quick under the interpreter
 
 
 def prologue_case(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, k: int,
@@ -45,19 +45,24 @@ def prologue_case(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: 
                                                                (3, 1, 64, 64),
                                                                (16, 8, 128, 1024)])
 @pytest.mark.parametrize("group_m", [0, 2])
+@pytest.mark.parametrize("heads_per_program", [1, 2])
 def test_tma_qkv_writes_q_and_k_v_at_their_slots(dtype, num_tokens, num_heads, num_kv_heads,
-                                                 head_dim, k, group_m, device, gen):
+                                                 head_dim, k, group_m, heads_per_program,
+                                                 device, gen):
     """q normalized and rotated into a new tensor; the normalized, rotated k and the projected v
     at their slots (padding rows, slot -1, write nothing; every other slot keeps its NaN
-    poison); 130 rows: the last 64-row tile runs past the tokens."""
+    poison); 130 rows: the last 64-row tile runs past the tokens. Two heads a program where
+    the head counts are even."""
     skip_unsupported(dtype, device)
+    if num_kv_heads % heads_per_program:
+        pytest.skip("two heads a program: even head counts only")
     if device.type == "cpu" and k * num_heads > 2048 and num_tokens > 7:
         pytest.skip("the interpreter is slow: Qwen3-0.6B's shape at 1 and 7 rows only")
     args, slots, kv = prologue_case(num_tokens, num_heads, num_kv_heads, head_dim, k, 16,
                                     dtype, device, gen)
     expected_kv = kv.clone()
     expected_q = tma_qkv_norm_rope_store_ref(*args, expected_kv[0], expected_kv[1], slots)
-    q = tma_qkv_norm_rope_store(*args, kv[0], kv[1], slots, config=SMALL | dict(GROUP_M=group_m))
+    q = tma_qkv_norm_rope_store(*args, kv[0], kv[1], slots, config=SMALL | dict(GROUP_M=group_m, HEADS_PER_PROGRAM=heads_per_program))
     assert q.shape == (num_tokens, num_heads, head_dim) and q.is_contiguous()
     assert_close(q, expected_q, dtype)
     assert torch.equal(kv.isnan(), expected_kv.isnan())
@@ -95,7 +100,7 @@ def test_tma_qkv_in_bf16_at_prompt_rows(num_rows, device, gen):
         pytest.skip("the TMA GEMM runs on CUDA devices of compute capability 9 and later")
     dtype = torch.bfloat16
     args, slots, kv = prologue_case(num_rows, 16, 8, 128, 1024, 16, dtype, device, gen)
-    assert tma_qkv_pays(args[0], args[1], 128) == (num_rows >= PREFILL_MIN_ROWS)
+    assert tma_qkv_pays(args[0], args[1], 16, 8, 128) == (num_rows >= PREFILL_MIN_ROWS)
     expected_kv = kv.clone()
     expected_q = tma_qkv_norm_rope_store_ref(*args, expected_kv[0], expected_kv[1], slots)
     q = tma_qkv_norm_rope_store(*args, kv[0], kv[1], slots)
