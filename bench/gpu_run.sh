@@ -32,9 +32,7 @@
 #                  tma-layer: only the layer as it runs against cuBLAS's qkv/gate_up, 160-256 rows;
 #                  tma-gate-up: gate_up + SiLU on it at 64-128 rows, alone and in the layer;
 #                  tma-lm-head: the LM head on it alone at 8-256 rows; tma-prefill: gate_up +
-#                  SiLU on it alone at a prompt step's 2-16k rows, against cuBLAS + silu_and_mul;
-#                  tma-qkv: qkv_proj with the attention prologue in its epilogue (tma_qkv.py)
-#                  at those rows, against cuBLAS + qk_norm_rope_store
+#                  SiLU on it alone at a prompt step's 8-16k rows, against cuBLAS + silu_and_mul
 #   gemm-tests     the decode GEMM, TMA GEMM, split-K, elementwise and decode attention kernels' tests
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   ab             bench/ab.py: workload A in-process, this tree's files against the versions in
@@ -152,16 +150,13 @@ for stage in "$@"; do
              2>&1 | grep -v Warning | tail -8 ;;
     tma-prefill) timeout 300 python3 bench/tma_gemm_probe.py "$OUT/tma_prefill.json" --prefill \
              2>&1 | grep -v Warning | tail -4 ;;
-    tma-qkv) timeout 300 python3 bench/tma_gemm_probe.py "$OUT/tma_qkv.json" --prefill-qkv \
-             2>&1 | grep -v Warning | tail -4 ;;
     gemm-tiles) timeout 280 python3 bench/decode_layer_probe.py "$OUT/decode_layer_sweep.json" \
              --sweep 2>&1 | grep -v Warning | tail -12
            timeout 280 python3 bench/splitk_probe.py "$OUT/splitk_sweep.json" --sweep 2>&1 \
              | grep -v Warning | tail -8 ;;
     gemm-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/kernels/test_decode_matmul.py \
-             tests/dataplane/kernels/test_tma_matmul.py tests/dataplane/kernels/test_tma_qkv.py \
-             tests/dataplane/kernels/test_splitk_matmul.py \
+             tests/dataplane/kernels/test_tma_matmul.py tests/dataplane/kernels/test_splitk_matmul.py \
              tests/dataplane/kernels/test_elementwise.py \
              tests/dataplane/kernels/test_paged_decode_attention.py > "$OUT/gemm-tests.log" 2>&1
            grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/gemm-tests.log" | tail -30 ;;

@@ -14,8 +14,7 @@ tensor core's wide side, which tied, and o_proj / down_proj on it, which lost in
 `--layer` runs only 2., at LAYER_ROWS (at 160 and 176 rows the shipped routing is cuBLAS's:
 there the arms show the probe's noise); `--gate-up`: gate_up_proj + SiLU on it at 48-128 rows,
 alone and in the layer as it runs; `--prefill`: gate_up_proj + SiLU on it alone at a prompt
-step's 2-16k rows; `--prefill-qkv`: qkv_proj with the attention prologue in its epilogue
-(kernels/tma_qkv.py) at the same rows, against cuBLAS + qk_norm_rope_store; `--lm-head`: the LM head alone at 8-256 rows; `--check`
+step's 8-16k rows; `--lm-head`: the LM head alone at 8-256 rows; `--check`
 runs only a correctness check of every config on small shapes (CPU with TRITON_INTERPRET=1
 too).
 """
@@ -204,69 +203,6 @@ def prefill_gate_up(report: dict) -> None:
         save(report)
 
 
-# kernels/tma_qkv.py: 128- and 256-row tiles of one head or two, 3-4 stages, with and without
-# grouping (a 256-row tile of two heads would hold 256 float32 sums a thread)
-QKV_CONFIGS = [dict(BLOCK_M=m, BLOCK_K=64, num_stages=s, num_warps=w, GROUP_M=g,
-                    HEADS_PER_PROGRAM=h)
-               for m, s, w, g, h in itertools.product((128, 256), (3, 4), (4, 8), (0, 8), (1, 2))
-               if m == 128 or w == 8 and h == 1]
-
-
-def prefill_qkv(report: dict) -> None:
-    """qkv_proj with the attention prologue in its epilogue (kernels/tma_qkv.py) alone at
-    PREFILL_ROWS, 28 launches with distinct weights in a graph, against what prompt steps run
-    otherwise: cuBLAS, then qk_norm_rope_store (~67 us of a 16k-token layer at about its bytes,
-    profile-prefill-84f0c9d.log). QKV_CONFIGS and the shipped choice; each config's largest
-    difference from the unfused q."""
-    from decode_layer_probe import BLOCK_SIZE, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, randn
-    from kernels import graph_us
-    from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
-    from dataplane.kernels.tma_qkv import tma_qkv_config, tma_qkv_norm_rope_store
-    from dataplane.layers.rotary import RotaryEmbedding
-    n = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    weights = [randn(n, HIDDEN, scale=HIDDEN ** -0.5) for _ in range(LAYERS)]
-    cos_sin = RotaryEmbedding(HEAD_DIM, 4096, 1e6).to("cuda").cos_sin_cache
-    q_norm, k_norm = randn(HEAD_DIM), randn(HEAD_DIM)
-    for rows in PREFILL_ROWS:
-        x = randn(rows, HIDDEN)
-        positions = torch.arange(rows, device="cuda") % 1024
-        slots = torch.arange(rows, device="cuda")
-        kv = torch.zeros(2, rows // BLOCK_SIZE, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=x.dtype,
-                         device="cuda")
-        rest = (positions, q_norm, k_norm, 1e-6, cos_sin, kv[0], kv[1], slots)
-
-        def unfused(w):
-            q, k, v = F.linear(x, w).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
-                                            KV_HEADS * HEAD_DIM], dim=-1)
-            return qk_norm_rope_store(positions, q.view(rows, HEADS, HEAD_DIM),
-                                      k.view(rows, KV_HEADS, HEAD_DIM),
-                                      v.view(rows, KV_HEADS, HEAD_DIM), *rest[1:])
-
-        def fused(w, cfg):
-            return tma_qkv_norm_rope_store(x, w, HEADS, *rest, config=cfg)
-
-        expected = unfused(weights[0]).float()
-        shipped = tma_qkv_config(rows)
-        entry = dict(rows=rows, shipped=shipped, qkv_prologue=dict(
-            unfused_us=graph_us(lambda: [unfused(w) for w in weights]) / LAYERS, configs=[]))
-        for cfg in QKV_CONFIGS + ([] if shipped in QKV_CONFIGS else [shipped]):
-            try:
-                diff = (fused(weights[0], cfg).float() - expected).abs().max().item()
-                us = graph_us(lambda: [fused(w, cfg) for w in weights]) / LAYERS
-                entry["qkv_prologue"]["configs"].append(cfg | dict(us=us, max_abs_diff=diff))
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
-                entry["qkv_prologue"]["configs"].append(cfg | dict(error=f"{e}"[:200]))
-        ok = sorted((c for c in entry["qkv_prologue"]["configs"] if "us" in c),
-                    key=lambda c: c["us"])
-        tiles = "; ".join(f"{c['us']:.1f} m{c['BLOCK_M']} s{c['num_stages']} w{c['num_warps']} "
-                          f"g{c['GROUP_M']} h{c['HEADS_PER_PROGRAM']} (diff {c['max_abs_diff']:.1e})"
-                          for c in ok[:4])
-        print(f"{rows:5d} rows qkv + prologue: unfused "
-              f"{entry['qkv_prologue']['unfused_us']:.1f} us; fused {tiles}", flush=True)
-        report["shapes"].append(entry)
-        save(report)
-
-
 def lm_head(report: dict) -> None:
     """The LM head (Qwen3-0.6B's tied 151,936 x 1024 embedding) alone at LM_HEAD_ROWS, four
     distinct weights of 311 MB (each far past the L2) in the graph."""
@@ -297,9 +233,6 @@ def main() -> None:
         return
     if "--prefill" in sys.argv:
         prefill_gate_up(report)
-        return
-    if "--prefill-qkv" in sys.argv:
-        prefill_qkv(report)
         return
     if "--layer" in sys.argv:
         for rows in LAYER_ROWS:

@@ -19,18 +19,6 @@ from dataplane.kernels.sizes import next_power_of_2
 
 
 @triton.jit
-def norm_rotate(x1, x2, w1, w2, cos, sin, eps, dtype: tl.constexpr, HALF: tl.constexpr):
-    """RMSNorm of each row of [x1 | x2] (float32 halves [rows, HALF] of rows of 2 x HALF), the
-    weight's halves w1, w2 ([1, HALF] float32), then neox-style RoPE by cos, sin (broadcast to
-    [rows, HALF]). Returns the two rotated halves in float32, to be rounded to dtype once; the
-    norm rounds as the torch code does (see the module's docstring)."""
-    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    return n1 * cos - n2 * sin, n2 * cos + n1 * sin
-
-
-@triton.jit
 def _norm_rotate_heads(x_row, out_row, weight_ptr, stride_head, stride_out_head, num_heads,
                        cos, sin, eps, is_stored, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
     heads = tl.arange(0, BLOCK_HEADS)
@@ -39,13 +27,15 @@ def _norm_rotate_heads(x_row, out_row, weight_ptr, stride_head, stride_out_head,
     ptr = x_row + heads[:, None] * stride_head + dims[None, :]
     x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, HALF]
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
     dtype = out_row.dtype.element_ty
     w1 = tl.load(weight_ptr + dims).to(tl.float32)[None, :]  # [1, HALF]
     w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)[None, :]
-    o1, o2 = norm_rotate(x1, x2, w1, w2, cos, sin, eps, dtype, HALF)
+    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     dst = out_row + heads[:, None] * stride_out_head + dims[None, :]
-    tl.store(dst, o1.to(dtype), mask=mask & is_stored)
-    tl.store(dst + HALF, o2.to(dtype), mask=mask & is_stored)
+    tl.store(dst, (n1 * cos - n2 * sin).to(dtype), mask=mask & is_stored)
+    tl.store(dst + HALF, (n2 * cos + n1 * sin).to(dtype), mask=mask & is_stored)
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_kv_heads"])
@@ -97,34 +87,8 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)
-    assert q.dtype == k.dtype == v.dtype, "one dtype for all"
+    assert q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, "one dtype for all"
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
-    q_out = check_prologue_args(q.shape, num_kv_heads, q.dtype, positions, q_weight, k_weight,
-                                cos_sin_cache, k_cache, v_cache, slot_mapping, q_out)
-    block_size = k_cache.shape[1]
-    if num_tokens == 0:
-        return q_out
-    _qk_norm_rope_store_kernel[(num_tokens,)](
-        q, k, v, q_out, k_cache, v_cache, q_weight, k_weight, positions, cos_sin_cache,
-        slot_mapping, num_heads, num_kv_heads, eps, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
-        HALF=head_dim // 2, BLOCK_Q_HEADS=next_power_of_2(num_heads),
-        BLOCK_K_HEADS=next_power_of_2(num_kv_heads), PAGE_SIZE=block_size, num_warps=4,
-        **launch_options(q.device, num_tokens),
-    )
-    return q_out
-
-
-def check_prologue_args(q_shape: tuple[int, int, int], num_kv_heads: int, dtype: torch.dtype,
-                        positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor, q_out: torch.Tensor | None) -> torch.Tensor:
-    """Asserts the prologue's contract (qk_norm_rope_store's docstring) for q of q_shape
-    [num_tokens, num_heads, head_dim] and k of num_kv_heads, both in dtype; returns q_out, or a
-    new tensor for it."""
-    num_tokens, _, head_dim = q_shape
-    assert k_cache.dtype == v_cache.dtype == dtype, "one dtype for all"
     assert q_weight.shape == k_weight.shape == (head_dim,)
     assert q_weight.is_contiguous() and k_weight.is_contiguous()
     assert positions.shape == slot_mapping.shape == (num_tokens,)
@@ -137,8 +101,19 @@ def check_prologue_args(q_shape: tuple[int, int, int], num_kv_heads: int, dtype:
     block_size = k_cache.shape[1]
     assert block_size & (block_size - 1) == 0, "block_size: a power of two"
     if q_out is None:
-        q_out = torch.empty(q_shape, dtype=dtype, device=positions.device)
-    assert q_out.shape == q_shape and q_out.dtype == dtype and q_out.is_contiguous()
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert q_out.shape == q.shape and q_out.dtype == q.dtype and q_out.is_contiguous()
+    if num_tokens == 0:
+        return q_out
+    _qk_norm_rope_store_kernel[(num_tokens,)](
+        q, k, v, q_out, k_cache, v_cache, q_weight, k_weight, positions, cos_sin_cache,
+        slot_mapping, num_heads, num_kv_heads, eps, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_sin_cache.stride(0),
+        HALF=head_dim // 2, BLOCK_Q_HEADS=next_power_of_2(num_heads),
+        BLOCK_K_HEADS=next_power_of_2(num_kv_heads), PAGE_SIZE=block_size, num_warps=4,
+        **launch_options(q.device, num_tokens),
+    )
     return q_out
 
 

@@ -38,7 +38,7 @@ def _tma_matmul_kernel(
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
     ELEMS_PER_LINE: tl.constexpr, NUM_LINES_POW2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pid_m, pid_n = program_tile(GROUP_M)
+    pid_m, pid_n = _tile(GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     gated = UP_OFFSET > 0  # UP_OFFSET: the up rows' first row in w (gate's are the first)
@@ -62,7 +62,7 @@ def _tma_matmul_kernel(
 
 
 @triton.jit
-def program_tile(GROUP_M: tl.constexpr):
+def _tile(GROUP_M: tl.constexpr):
     """This program's (row tile, column tile). GROUP_M 0: the grid's own order, the row tiles
     of a column strip neighbours (a decode batch's few row tiles share the strip's weights in
     the L2). Else column strips walked GROUP_M row tiles at a time, so that the programs running

@@ -49,29 +49,13 @@ class Attention(nn.Module):
                              v: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
                              cos_sin_cache: torch.Tensor) -> torch.Tensor:
         """CUDA only: per-head RMSNorm of q and k, RoPE, and the store of k and v at the step's
-        slots in one kernel (Qwen3's attention prologue), then _attend_stored."""
+        slots in one kernel (Qwen3's attention prologue), then attention over the cache, or,
+        while a piecewise graph is captured, what the context's split_at_attention returns."""
         from dataplane.kernels.qk_norm_rope import qk_norm_rope_store
         ctx = self._context()
         q = qk_norm_rope_store(positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.eps,
                                cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping,
                                q_out=ctx.split_queries)
-        return self._attend_stored(ctx, q)
-
-    def forward_qkv_norm_rope(self, positions: torch.Tensor, hidden: torch.Tensor,
-                              qkv_weight: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
-                              cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        """forward_qk_norm_rope with the QKV projection of `hidden` by qkv_weight in the same
-        kernel (kernels/tma_qkv.py: prompt steps on Hopper, where tma_qkv_pays)."""
-        from dataplane.kernels.tma_qkv import tma_qkv_norm_rope_store
-        ctx = self._context()
-        q = tma_qkv_norm_rope_store(hidden, qkv_weight, self.num_heads, positions, q_norm.weight,
-                                    k_norm.weight, q_norm.eps, cos_sin_cache, self.k_cache,
-                                    self.v_cache, ctx.slot_mapping, q_out=ctx.split_queries)
-        return self._attend_stored(ctx, q)
-
-    def _attend_stored(self, ctx: ForwardContext, q: torch.Tensor) -> torch.Tensor:
-        """Attention over the cache, k and v stored, or, while a piecewise graph is captured,
-        what the context's split_at_attention returns."""
         if ctx.split_at_attention is not None:  # capturing a piecewise graph: attend later
             return ctx.split_at_attention(self, q)
         return self.backend.forward(q, self.k_cache, self.v_cache, ctx, self.scale)

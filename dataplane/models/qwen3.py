@@ -52,14 +52,6 @@ class Qwen3Attention(nn.Module):
                               scale=self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.is_cuda and self.qkv_proj.bias is None:
-            from dataplane.kernels.tma_qkv import tma_qkv_pays
-            if tma_qkv_pays(hidden, self.qkv_proj.weight, self.num_heads, self.num_kv_heads,
-                            self.head_dim):  # a prompt step's rows
-                out = self.attn.forward_qkv_norm_rope(
-                    positions, hidden, self.qkv_proj.weight, self.q_norm, self.k_norm,
-                    self.rotary_emb.cos_sin_cache)  # [T, heads, head_dim]
-                return self.o_proj(out.flatten(1))
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)

@@ -174,7 +174,7 @@ def test_no_triton_kernel_compiles_after_configure(checkpoints, tmp_path, model,
     sizes met by the probe's decode batches and 33-64-token prompt steps, and with a budget of
     1024 tokens a step of a long prompt among short ones (the prefill kernel's other grid,
     which compiled inside workload A's steps at 127bf0b), and with one of 2,048 steps of two
-    long prompts (the TMA kernels of prompt steps); and with the torch attention backend
+    long prompts (the TMA GEMM's gated prefill tiles); and with the torch attention backend
     (the other kernels are still ours)."""
     if model == "default":  # test_decode_matmul.py checks that its shapes take the GEMM
         checkpoint = tmp_path / "default"
