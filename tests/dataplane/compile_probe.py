@@ -18,8 +18,9 @@ from splitserve.llm import LLM
 LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 129, 250, 300]
 LONG_BUDGET = 1024
 LONG_PROMPT = 700  # over 512 tokens: the prefill kernel's 3-stage (num_stages) variant
-PROMPT_STEP_BUDGET = 2048  # steps of 2,048 rows: tma_matmul.py's gated prefill tiles (gate_up
-PROMPT_STEP = 1100  # + SiLU in prompt steps), two prompts' chunks filling a step
+# Steps of 2,048 rows (tma_matmul.py's gated prefill tiles): two prompts' chunks filling a step
+PROMPT_STEP_BUDGET = 2048
+PROMPT_STEP = 1100
 
 
 def compiled_kernels() -> set[str]:
