@@ -15,6 +15,8 @@
 #                  tile loop, merges, the spread of their ends, on tune-decode's shapes
 #   tune-decode    decode attention configs and programs per SM on workload-like shapes
 #   tune-prefill   prefill attention configs on workload A's 16k-token prompt steps
+#   prefill-fa4    the default config on 16- and 128-token blocks and FlashAttention-4 (paged, carry
+#                  .fa4) on the same prompt steps
 #   ncu-decode     Nsight Compute on one decode attention launch at 64 and 256 rows (stall
 #                  reasons, occupancy; Firecracker machines only: ../.library/device/KINDS.md)
 #   host-profile   cProfile of the data plane's host time in steps that carry a prompt;
@@ -40,7 +42,8 @@
 #   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise;
 #                  bench-0.6b-nopdl: both modes without programmatic dependent launch;
 #                  bench-0.6b-pd2: both modes with two steps in flight (--pipeline-depth 2);
-#                  bench-0.6b-fa4: in-process with the flash_attn backend (carry .fa4)
+#                  bench-0.6b-fa4: in-process with the flash_attn backend (carry .fa4);
+#                  bench-0.6b-bs128: in-process on 128-token KV blocks (FA4's page size)
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
 #                  bench-0.6b-spy: split with py-spy sampling the server's processes (carry
 #                  py-spy's wheel in .whl)
@@ -111,6 +114,8 @@ for stage in "$@"; do
              2>&1 | grep -v Warning | tee "$OUT/profile-prefill.log" | tail -70 ;;
     tune-prefill) timeout 300 python3 bench/tune_prefill.py "$OUT/tune_prefill.json" 2>&1 \
              | grep -v Warning | tail -4 ;;
+    prefill-fa4) timeout 200 python3 bench/tune_prefill.py "$OUT/prefill_fa4.json" --no-grid 2>&1 \
+             | grep -v Warning | tail -12 ;;
     tune-decode) timeout 300 python3 bench/tune_decode.py --out "$OUT/decode_tuning.json" 2>&1 \
              | tee "$OUT/tune-decode.log" | tail -20 ;;
     host-profile) timeout 180 python3 bench/host_profile.py 2>&1 | tee "$OUT/host-profile.log" \
@@ -170,6 +175,8 @@ for stage in "$@"; do
              --rounds "${AB_ROUNDS:-2}" --out "$OUT/ab.json" 2>&1 | tail -12 ;;
     bench-0.6b) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-nopdl) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --no-pdl --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-0.6b-bs128) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes inprocess \
+             --block-size 128 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-pd2) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --pipeline-depth 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fa4) timeout 240 python3 bench/throughput.py --model qwen3-0.6b --modes inprocess \
              --attention-backend flash_attn --out-dir "$OUT" 2>&1 | tail -20 ;;

@@ -248,7 +248,7 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, prompt_graphs=not args.no_prompt_graphs,
               pdl=not args.no_pdl, pipeline_depth=args.pipeline_depth,
-              attention_backend=args.attention_backend,
+              attention_backend=args.attention_backend, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization)
     llm.generate(*warm_up(prompts), ignore_eos=True)
     host = HostTimes(llm)
@@ -284,6 +284,7 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
         "--max-model-len", str(args.max_model_len),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--attention-backend", args.attention_backend, "--tp", str(args.tp),
+        "--block-size", str(args.block_size),
         "--max-waiting-requests", "4096", "--step-timeout", "600",
         "--stream-interval", str(args.stream_interval), "--frontends", str(args.frontends),
         "--pipeline-depth", str(args.pipeline_depth),
@@ -332,6 +333,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per KV block, unless the attention backend needs another")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prompt-graphs", action="store_true",
                         help="steps with prompt tokens eagerly (serve's --no-prompt-graphs)")
@@ -391,6 +394,7 @@ def _save(args, mode: str, result: dict) -> None:
     suffix += f"-pd{args.pipeline_depth}" \
         if args.pipeline_depth != EngineConfig.pipeline_depth else ""
     suffix += f"-{args.attention_backend}" if args.attention_backend != "auto" else ""
+    suffix += f"-bs{args.block_size}" if args.block_size != 16 else ""
     name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 

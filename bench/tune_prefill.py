@@ -2,10 +2,13 @@
 of prompts uniform in [100, 1024] (seed 0; the last one cut to fit), no cached tokens, and
 for comparison on two prompts of 8,192 and on eight 2,048-token chunks after 4,096 cached
 tokens each; Qwen3-0.6B and Qwen3-8B heads. For each: the default config (the one a step
-launches), then each config of the grid; time, TFLOP/s (causal), and the best.
+launches), then each config of the grid; time, TFLOP/s (causal), and the best. Beside them, on
+128-token blocks: the default config, and FlashAttention-4 (paged) when flash_attn.cute imports.
 (bench/kernels.py --sweep times a smaller grid on its fixed cases.)
 
-    PYTHONPATH=.:bench python3 bench/tune_prefill.py tune_prefill.json
+    PYTHONPATH=.:bench python3 bench/tune_prefill.py tune_prefill.json [--no-grid]
+
+(--no-grid: the default config, the 128-token blocks and FA4 only.)
 """
 
 import json
@@ -16,7 +19,7 @@ import time
 import torch
 
 import run_info
-from kernels import BLOCK, HEAD_DIM, MODELS, bench_ms, paged_problem, prefill_flops
+from kernels import BLOCK, HEAD_DIM, MODELS, bench_ms, fa4_ms, load_fa4, paged_problem, prefill_flops
 
 from dataplane.kernels.paged_prefill_attention import paged_prefill_attention
 
@@ -43,25 +46,36 @@ def time_config(args: tuple, max_query_len: int, config: dict | None) -> dict:
         return dict(error=f"{type(e).__name__}: {e}"[:300])
 
 
-def tune(model: str, shape: str, lens: list[int], cached: list[int]) -> dict:
+def problem_args(lens: list[int], cached: list[int], num_heads: int, block_size: int) -> tuple:
+    p = paged_problem(lens, cached, num_heads, block_size)
+    return (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
+            p["seq_lens"], HEAD_DIM ** -0.5), p["max_query_len"]
+
+
+def tune(model: str, shape: str, lens: list[int], cached: list[int], fa4, grid: list) -> dict:
     num_heads = MODELS[model]
     group = num_heads // 8
-    p = paged_problem(lens, cached, num_heads, BLOCK)
-    args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
-            p["seq_lens"], HEAD_DIM ** -0.5)
+    args, max_query_len = problem_args(lens, cached, num_heads, BLOCK)
     flops = prefill_flops(lens, cached, num_heads)
-    rows = [dict(config=None, **time_config(args, p["max_query_len"], None))]
-    for c in GRID:
+    beside = dict(block_128=time_config(*problem_args(lens, cached, num_heads, 128), None))
+    if fa4 is not None:
+        beside["fa4_block_128"] = dict(ms=fa4_ms(fa4, lens, cached, num_heads))
+    for row in beside.values():
+        if isinstance(row.get("ms"), float):
+            row["tflops"] = flops / row["ms"] / 1e9
+    print(model, shape, beside, flush=True)
+    rows = [dict(config=None, **time_config(args, max_query_len, None))]
+    for c in grid:
         config = dict(BLOCK_Q=c["rows"] // group, BLOCK_N=c["BLOCK_N"], num_warps=c["num_warps"],
                       num_stages=c["num_stages"])
-        rows.append(dict(config=config, **time_config(args, p["max_query_len"], config)))
+        rows.append(dict(config=config, **time_config(args, max_query_len, config)))
     for row in rows:
         if "ms" in row:
             row["tflops"] = flops / row["ms"] / 1e9
         print(model, shape, row, flush=True)
     timed = [r for r in rows if "ms" in r]
     return dict(model=model, shape=shape, default=rows[0], best=min(timed, key=lambda r: r["ms"]),
-                rows=rows)
+                rows=rows, **beside)
 
 
 def main() -> None:
@@ -69,9 +83,13 @@ def main() -> None:
     lens = prompt_lens()
     cases = {"workload A": (lens, [0] * len(lens)), "2 x 8192": ([8192] * 2, [0, 0]),
              "8 x 2048 after 4096": ([2048] * 8, [4096] * 8)}
-    shapes = [tune(model, shape, *case) for shape, case in cases.items() for model in MODELS]
+    fa4, fa4_status = load_fa4()
+    print("FA4", fa4_status, flush=True)
+    grid = [] if "--no-grid" in sys.argv[2:] else GRID
+    shapes = [tune(model, shape, *case, fa4, grid) for shape, case in cases.items()
+              for model in MODELS]
     result = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
-                  torch=torch.__version__, num_tokens=NUM_TOKENS, prompt_lens=lens,
+                  torch=torch.__version__, num_tokens=NUM_TOKENS, prompt_lens=lens, fa4=fa4_status,
                   shapes=shapes, seconds=time.perf_counter() - started)
     for s in shapes:
         print(f"{s['model']}, {s['shape']}: default {s['default'].get('ms')} ms, best {s['best']['ms']:.4f} ms "
