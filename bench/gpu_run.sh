@@ -43,7 +43,9 @@
 #                  bench-0.6b-nopdl: both modes without programmatic dependent launch;
 #                  bench-0.6b-pd2: both modes with two steps in flight (--pipeline-depth 2);
 #                  bench-0.6b-fa4: in-process with the flash_attn backend (carry .fa4);
-#                  bench-0.6b-bs128: in-process on 128-token KV blocks (FA4's page size)
+#                  bench-0.6b-bs128: in-process on 128-token KV blocks (FA4's page size);
+#                  bench-0.6b-tfa4: both modes on triton_fa4 (carry .fa4)
+#   fa4-tests      the flash_attn and triton_fa4 backends' tests (carry .fa4)
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
 #                  bench-0.6b-spy: split with py-spy sampling the server's processes (carry
 #                  py-spy's wheel in .whl)
@@ -177,6 +179,12 @@ for stage in "$@"; do
     bench-0.6b-nopdl) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --no-pdl --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-bs128) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes inprocess \
              --block-size 128 --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-0.6b-tfa4) timeout 200 python3 bench/throughput.py --model qwen3-0.6b \
+             --attention-backend triton_fa4 --out-dir "$OUT" 2>&1 | tail -20 ;;
+    fa4-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
+             tests/dataplane/kernels/test_attention_backends.py \
+             tests/dataplane/kernels/test_model_backends.py -k "fa4 or flash_attn or make_backend" 2>&1 \
+             | tee "$OUT/fa4-tests.log" | tail -25 ;;
     bench-0.6b-pd2) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --pipeline-depth 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fa4) timeout 240 python3 bench/throughput.py --model qwen3-0.6b --modes inprocess \
              --attention-backend flash_attn --out-dir "$OUT" 2>&1 | tail -20 ;;

@@ -113,8 +113,11 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=("safetensors", "dummy"), default="safetensors",
                    help="dummy: random weights instead of the checkpoint's (benchmarks; the "
                         "model directory then needs only config.json and tokenizer.json)")
-    p.add_argument("--attention-backend", choices=("auto", "torch", "triton", "flash_attn"),
-                   default="auto", help="auto: torch on CPU, triton on CUDA (default %(default)s)")
+    p.add_argument("--attention-backend",
+                   choices=("auto", "torch", "triton", "triton_fa4", "flash_attn"), default="auto",
+                   help="auto: torch on CPU, triton on CUDA; triton_fa4: triton with "
+                        "FlashAttention-4 for steps of 4096 or more prompt tokens (128-token "
+                        "blocks) (default %(default)s)")
 
 
 def _add_client(p: argparse.ArgumentParser) -> None:

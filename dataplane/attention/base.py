@@ -4,7 +4,10 @@ import torch
 
 from dataplane.forward_context import ForwardContext
 
-BACKENDS = ("auto", "torch", "triton", "flash_attn")
+BACKENDS = ("auto", "torch", "triton", "triton_fa4", "flash_attn")
+# triton_fa4 hands FA4 the prompt rows of steps that bring at least this many (fewer: our
+# prefill kernel, faster there on the H200: kernels.json, 2 x 1024 rows 0.063 against 0.077 ms)
+FA4_MIN_PREFILL_ROWS = 4096
 
 
 class AttentionBackend(Protocol):
@@ -37,6 +40,14 @@ def make_backend(name: str, device: str) -> AttentionBackend:
     if name == "triton":  # on CPU only under TRITON_INTERPRET=1 (the kernel tests)
         from dataplane.attention.triton_backend import TritonAttention
         return TritonAttention()
+    if name == "triton_fa4":
+        from dataplane.attention.flash_attn_backend import fa4_forward_into
+        from dataplane.attention.triton_backend import TritonAttention
+        forward_into = fa4_forward_into()
+        if forward_into is None:
+            raise ValueError("attention backend triton_fa4 needs FlashAttention-4 "
+                             "(flash_attn.cute), which does not import")
+        return TritonAttention(fa4_forward_into=forward_into, fa4_min_rows=FA4_MIN_PREFILL_ROWS)
     if name == "flash_attn":
         from dataplane.attention.flash_attn_backend import import_flash_attn
         backend, errors = import_flash_attn()

@@ -11,6 +11,7 @@ Block sizes (exposed as `block_size`; the data plane must allocate the cache wit
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,45 @@ class FlashAttention2:
             q, k_cache, v_cache, cu_seqlens_q=ctx.query_start_loc, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=ctx.max_query_len, max_seqlen_k=ctx.max_seq_len, softmax_scale=scale,
             causal=True, block_table=ctx.block_tables))
+
+
+@dataclass(frozen=True)
+class Fa4PagedPrefill:
+    """FA4's paged varlen forward over a step's prompt rows, prepared once a forward and run by
+    every layer with PagedLaunch's call shape (q, k_cache, v_cache, out). The triton_fa4 backend
+    hands it a step's prompt rows, after its one-token requests; cu_seqlens_q counts from them."""
+
+    forward_into: Callable  # fa4_forward_into()'s function
+    cu_seqlens_q: torch.Tensor  # [num_prompt_requests + 1] int32
+    seqused_k: torch.Tensor  # [num_prompt_requests] int32: cached + new tokens
+    page_table: torch.Tensor  # [num_prompt_requests, max_blocks] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    scale: float
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        self.forward_into(q, k_cache, v_cache, out, cu_seqlens_q=self.cu_seqlens_q,
+                          max_seqlen_q=self.max_seqlen_q, seqused_k=self.seqused_k,
+                          max_seqlen_k=self.max_seqlen_k, page_table=self.page_table,
+                          softmax_scale=self.scale, causal=True)
+
+
+def fa4_forward_into() -> Callable | None:
+    """FA4's forward writing into a given `out`, or None when flash_attn.cute does not import.
+    The public flash_attn_varlen_func allocates its output (a copy into ours would move as many
+    bytes again as the kernel writes) and goes through autograd; the module function under it
+    takes `out`. It is private to flash-attn-4 (4.0.0b36 in fa4-bundle.sh): the backend tests
+    check it against the torch reference."""
+    try:
+        from flash_attn.cute.interface import _flash_attn_fwd
+    except ImportError:
+        return None
+
+    def forward_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out: torch.Tensor, **kwargs) -> None:
+        _flash_attn_fwd(q, k_cache, v_cache, out=out, **kwargs)
+    return forward_into
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

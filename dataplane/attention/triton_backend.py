@@ -7,12 +7,17 @@ The first attention layer of each forward prepares the step's launches (`_StepLa
 ctx.attention_plan) and every layer runs them on its own cache. Decode is CUDA-graph
 capturable: its tile list (`plan_decode`) is built on the device, its sizes depend only on the
 batch size and the block-table width, and nothing is read back on the host.
+
+The triton_fa4 backend is this one with FlashAttention-4's paged forward for the prompt rows of
+steps that bring at least `fa4_min_rows` of them (FA4 needs 128-token blocks on Hopper).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from dataplane.attention.flash_attn_backend import Fa4PagedPrefill
 from dataplane.forward_context import ForwardContext
 from dataplane.kernels.paged_decode_attention import plan_decode, prepare_decode_attention
 from dataplane.kernels.paged_inputs import PagedLaunch
@@ -29,7 +34,7 @@ class _StepLaunches:
     num_decodes: int
     scale: float
     decode: PagedLaunch | None
-    prefill: PagedLaunch | None
+    prefill: PagedLaunch | Fa4PagedPrefill | None
     q: torch.Tensor
     out: torch.Tensor
     q_parts: tuple[torch.Tensor, torch.Tensor]
@@ -59,9 +64,16 @@ class TritonAttention:
     name = "triton"
     block_size: int | None = None  # any power of two
 
-    def __init__(self, num_programs: int | None = None) -> None:
-        """num_programs: decode programs per kv head; None: as many as fill the GPU once."""
+    def __init__(self, num_programs: int | None = None, fa4_forward_into: Callable | None = None,
+                 fa4_min_rows: int = 0) -> None:
+        """num_programs: decode programs per kv head; None: as many as fill the GPU once.
+        fa4_forward_into (flash_attn_backend.fa4_forward_into()): the prompt rows of a step
+        that brings at least fa4_min_rows of them go through FA4's paged forward instead of our
+        prefill kernel; the cache must then have 128-token blocks."""
         self.num_programs = num_programs
+        self.fa4_forward_into, self.fa4_min_rows = fa4_forward_into, fa4_min_rows
+        if fa4_forward_into is not None:
+            self.name, self.block_size = "triton_fa4", 128
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: ForwardContext, scale: float,
@@ -88,8 +100,21 @@ class TritonAttention:
             decode = prepare_decode_attention(q_parts[0], k_cache, v_cache, out_parts[0], plan,
                                               scale)
         if not is_decode:
-            prefill = prepare_prefill_attention(
-                q_parts[1], k_cache, v_cache, out_parts[1], ctx.block_tables[n:],
-                ctx.query_start_loc[n:], ctx.seq_lens[n:], scale,
-                max_query_len=ctx.max_query_len, first_token=n)
+            prefill = self._prepare_prefill(q_parts[1], k_cache, v_cache, out_parts[1], ctx,
+                                            scale, n)
         return _StepLaunches(n, scale, decode, prefill, q, out, q_parts, out_parts)
+
+    def _prepare_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         out: torch.Tensor, ctx: ForwardContext, scale: float,
+                         n: int) -> PagedLaunch | Fa4PagedPrefill:
+        """The launch for the rows after the first n (q and out hold only those). FA4 only in
+        eager steps (host offsets known): it sizes its grid on the host."""
+        starts = ctx.query_start_loc_host
+        if self.fa4_forward_into is not None and starts and starts[-1] - n >= self.fa4_min_rows:
+            assert k_cache.shape[1] == 128, "FA4's paged forward needs 128-token blocks"
+            return Fa4PagedPrefill(self.fa4_forward_into, ctx.query_start_loc[n:] - n,
+                                   ctx.seq_lens[n:], ctx.block_tables[n:], ctx.max_query_len,
+                                   ctx.max_seq_len, scale)
+        return prepare_prefill_attention(
+            q, k_cache, v_cache, out, ctx.block_tables[n:], ctx.query_start_loc[n:],
+            ctx.seq_lens[n:], scale, max_query_len=ctx.max_query_len, first_token=n)

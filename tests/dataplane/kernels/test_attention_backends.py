@@ -11,7 +11,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from dataplane.attention import make_backend  # noqa: E402
-from dataplane.attention.flash_attn_backend import import_flash_attn  # noqa: E402
+from dataplane.attention.flash_attn_backend import (  # noqa: E402
+    Fa4PagedPrefill, fa4_forward_into, import_flash_attn)
 from dataplane.attention.torch_backend import TorchAttention  # noqa: E402
 from dataplane.attention.torch_backend import store_kv as torch_store_kv  # noqa: E402
 from dataplane.attention.triton_backend import TritonAttention  # noqa: E402
@@ -164,6 +165,46 @@ def test_make_backend_names(device):
     assert make_backend("triton", device.type).block_size is None
     with pytest.raises(ValueError, match="unknown attention backend"):
         make_backend("nope", device.type)
+    if fa4_forward_into() is None:
+        with pytest.raises(ValueError, match="triton_fa4 needs FlashAttention-4"):
+            make_backend("triton_fa4", device.type)
+    else:
+        assert make_backend("triton_fa4", device.type).block_size == 128
+
+
+def test_triton_fa4_routes_only_large_prompt_parts_to_fa4(device, gen):
+    """The prompt rows after the leading decodes go to FA4 with offsets, lengths and block
+    tables of their own (a stand-in for FA4 records them and writes the torch reference);
+    below fa4_min_rows our prefill kernel takes them."""
+    calls = []
+
+    def forward_into(q, k_cache, v_cache, out, **kwargs):
+        calls.append(kwargs)
+        starts = kwargs["cu_seqlens_q"].tolist()
+        seq_lens = kwargs["seqused_k"]
+        ctx = ForwardContext(
+            query_start_loc=kwargs["cu_seqlens_q"], seq_lens=seq_lens,
+            slot_mapping=torch.zeros(0, dtype=torch.int64, device=q.device),
+            block_tables=kwargs["page_table"], logits_indices=torch.zeros(0, device=q.device),
+            max_query_len=kwargs["max_seqlen_q"], max_seq_len=kwargs["max_seqlen_k"],
+            query_start_loc_host=starts, seq_lens_host=seq_lens.tolist())
+        out[:starts[-1]] = TorchAttention().forward(q[:starts[-1]], k_cache, v_cache, ctx,
+                                                    kwargs["softmax_scale"])
+
+    num_prompt_rows = sum(q for q, _ in DECODES_FIRST[3:])  # 184, after three decodes
+    for min_rows, used in [(num_prompt_rows, True), (num_prompt_rows + 1, False)]:
+        calls.clear()
+        backend = TritonAttention(fa4_forward_into=forward_into, fa4_min_rows=min_rows)
+        assert (backend.name, backend.block_size) == ("triton_fa4", 128)
+        compare_with_torch(backend, DECODES_FIRST, torch.float32, 128, device, gen)
+        assert len(calls) == used
+    ctx, _ = make_context(DECODES_FIRST, 128, device, gen)
+    launch = TritonAttention(fa4_forward_into=forward_into)._prepare_prefill(
+        torch.zeros(0), torch.zeros(1, 128), None, None, ctx, 0.5, 3)
+    assert isinstance(launch, Fa4PagedPrefill)
+    assert launch.cu_seqlens_q.tolist() == [0, 37, 53, 54, 184]
+    assert launch.seqused_k.tolist() == [37, 128, 6, 130]
+    assert torch.equal(launch.page_table, ctx.block_tables[3:])
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +226,14 @@ def test_flash_attn_backend_matches_torch(flash_attn, dtype, lens, num_heads, ge
     assert on_gpu(device)
     compare_with_torch(flash_attn, lens, dtype, flash_attn.block_size, device, gen,
                        num_heads=num_heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens", [MIXED, DECODES_FIRST], ids=["mixed", "decodes_first"])
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_triton_fa4_backend_matches_torch(flash_attn, dtype, lens, num_heads, gen):
+    """Our decode kernel for the leading one-token requests, FA4 (fa4_forward_into, writing
+    into our buffer) for the rest."""
+    device = torch.device("cuda")
+    backend = TritonAttention(fa4_forward_into=fa4_forward_into(), fa4_min_rows=0)
+    compare_with_torch(backend, lens, dtype, backend.block_size, device, gen, num_heads=num_heads)

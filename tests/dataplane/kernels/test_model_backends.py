@@ -68,22 +68,26 @@ def backends_and_devices() -> list:
     cases = [pytest.param("triton", "cpu", "float32", 4, id="triton-cpu-fp32")]
     cases += [pytest.param("triton", "cuda", dt, 16, id=f"triton-cuda-{dt}")
               for dt in ("float32", "bfloat16")]
-    cases += [pytest.param("flash_attn", "cuda", "bfloat16", None, id="flash_attn-cuda-bf16")]
+    cases += [pytest.param(name, "cuda", "bfloat16", None, id=f"{name}-cuda-bf16")
+              for name in ("flash_attn", "triton_fa4")]
     return cases
 
 
 @pytest.mark.parametrize("backend,device,dtype,block_size", backends_and_devices())
-def test_logits_match_the_torch_backend(checkpoints, backend, device, dtype, block_size):
+def test_logits_match_the_torch_backend(checkpoints, backend, device, dtype, block_size,
+                                        monkeypatch):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     if device == "cpu" and torch.cuda.is_available():
         pytest.skip("the CPU case runs under the interpreter only")
-    if backend == "flash_attn":
+    if backend in ("flash_attn", "triton_fa4"):
         from dataplane.attention.flash_attn_backend import import_flash_attn
         fa, errors = import_flash_attn()
         if fa is None:
             pytest.skip(f"no FlashAttention: {'; '.join(errors)}")
-        block_size = fa.block_size
+        block_size = 128 if backend == "triton_fa4" else fa.block_size
+        # every step's prompt rows through FA4 (these steps bring 9-43 of them)
+        monkeypatch.setattr("dataplane.attention.base.FA4_MIN_PREFILL_ROWS", 0)
     path = checkpoints["untied"]
     expected = run(path, device, dtype, "torch", block_size)
     actual = run(path, device, dtype, backend, block_size)
