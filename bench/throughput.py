@@ -270,7 +270,8 @@ def run_inprocess(model_dir, prompts, outputs, args) -> dict:
     print("host pauses:", json.dumps(stalls), flush=True)
     return {"seconds": seconds, "output_tokens": sum(c.completion_tokens for c in done),
             "num_steps": steps, "process_cpu_ms_per_step": 1e3 * (time.process_time() - cpu_before) / steps,
-            "num_kv_blocks": info.num_kv_blocks, "attention_backend": info.attention_backend,
+            "num_kv_blocks": info.num_kv_blocks, "block_size": info.block_size,
+            "attention_backend": info.attention_backend,
             "host_time": host.report(), "device_time": device,
             "host_pauses": stalls}
 
@@ -316,7 +317,7 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
             after = client.load()
             info = client.model_info()
     return {"seconds": seconds, **figures(before, after, done), "tp": info.tp_size,
-            "num_kv_blocks": after.kv_blocks_total,
+            "num_kv_blocks": after.kv_blocks_total, "block_size": info.block_size,
             **({"py_spy": spy_summary(args.spy)} if args.spy else {})}
 
 
