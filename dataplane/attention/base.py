@@ -65,5 +65,11 @@ def _best_gpu_backend() -> str:
     import; it stays opt-in (`flash_attn`). Measured on an H200, workload A in-process
     (bench/results/h200/qwen3-0.6b-inprocess-tp1{,-flash-attn}-f25a5ea.json): 27,079 tok/s on
     ours, 21,380 on FA4 (decode steps of 256 rows 5.9 against 8.5 ms, prompt steps 34.9 against
-    37.7 ms)."""
+    37.7 ms).
+
+    triton_fa4 (our decode kernel, FA4's prefill) was 0.4-0.6% faster on workload A on an H100
+    (bench/results/h100/*-67f28ae*: prompt steps 35.6 against 36.3 ms, FA4 1.25x our prefill
+    kernel at its ~560-token prompts and 1.8x at 8k). It stays opt-in: it needs FA4 installed
+    (~11 s to import at start-up, through a function private to flash-attn-4), and its
+    128-token blocks share cached prefixes only in whole 128-token blocks."""
     return "triton"
