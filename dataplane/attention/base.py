@@ -5,8 +5,11 @@ import torch
 from dataplane.forward_context import ForwardContext
 
 BACKENDS = ("auto", "torch", "triton", "triton_fa4", "flash_attn")
-# triton_fa4 hands FA4 the prompt rows of steps that bring at least this many (fewer: our
-# prefill kernel, faster there on the H200: kernels.json, 2 x 1024 rows 0.063 against 0.077 ms)
+# triton_fa4 hands FA4 the prompt rows of steps that bring at least this many, fewer to our
+# prefill kernel. A guess, not measured between 2k and 16k rows: at 2 x 1024 rows (0.6B heads)
+# ours was faster (h200/kernels.json: 0.063 against 0.077 ms, though FA4 was faster in the
+# file's other cases of up to 2,303 rows), and FA4's host time a call, which a small mixed step
+# between graph pieces would wait on, was not measured.
 FA4_MIN_PREFILL_ROWS = 4096
 
 
@@ -42,12 +45,12 @@ def make_backend(name: str, device: str) -> AttentionBackend:
         return TritonAttention()
     if name == "triton_fa4":
         from dataplane.attention.flash_attn_backend import fa4_forward_into
-        from dataplane.attention.triton_backend import TritonAttention
+        from dataplane.attention.triton_backend import TritonFa4Attention
         forward_into = fa4_forward_into()
         if forward_into is None:
             raise ValueError("attention backend triton_fa4 needs FlashAttention-4 "
                              "(flash_attn.cute), which does not import")
-        return TritonAttention(fa4_forward_into=forward_into, fa4_min_rows=FA4_MIN_PREFILL_ROWS)
+        return TritonFa4Attention(forward_into, FA4_MIN_PREFILL_ROWS)
     if name == "flash_attn":
         from dataplane.attention.flash_attn_backend import import_flash_attn
         backend, errors = import_flash_attn()
@@ -68,8 +71,10 @@ def _best_gpu_backend() -> str:
     37.7 ms).
 
     triton_fa4 (our decode kernel, FA4's prefill) was 0.4-0.6% faster on workload A on an H100
-    (bench/results/h100/*-67f28ae*: prompt steps 35.6 against 36.3 ms, FA4 1.25x our prefill
-    kernel at its ~560-token prompts and 1.8x at 8k). It stays opt-in: it needs FA4 installed
-    (~11 s to import at start-up, through a function private to flash-attn-4), and its
-    128-token blocks share cached prefixes only in whole 128-token blocks."""
+    (bench/results/h100/*-67f28ae*): 0.25% from its 128-token blocks (our triton backend on
+    them did as much, its decode steps faster), 0.16% more from FA4 (prompt steps 35.6 against
+    36.3 ms; FA4 1.22-1.25x our prefill kernel at workload A's ~560-token prompts, 1.7-2.1x at 8k).
+    It stays opt-in: it needs FA4 installed (~10 s to import at start-up, through a function
+    private to flash-attn-4), and 128-token blocks share cached prefixes only in whole blocks.
+    """
     return "triton"

@@ -8,8 +8,9 @@ ctx.attention_plan) and every layer runs them on its own cache. Decode is CUDA-g
 capturable: its tile list (`plan_decode`) is built on the device, its sizes depend only on the
 batch size and the block-table width, and nothing is read back on the host.
 
-The triton_fa4 backend is this one with FlashAttention-4's paged forward for the prompt rows of
-steps that bring at least `fa4_min_rows` of them (FA4 needs 128-token blocks on Hopper).
+TritonFa4Attention (the triton_fa4 backend) is this one with FlashAttention-4's paged forward for
+the prompt rows of steps that bring at least `fa4_min_rows` of them (FA4 needs 128-token blocks
+on Hopper).
 """
 
 from collections.abc import Callable
@@ -64,16 +65,9 @@ class TritonAttention:
     name = "triton"
     block_size: int | None = None  # any power of two
 
-    def __init__(self, num_programs: int | None = None, fa4_forward_into: Callable | None = None,
-                 fa4_min_rows: int = 0) -> None:
-        """num_programs: decode programs per kv head; None: as many as fill the GPU once.
-        fa4_forward_into (flash_attn_backend.fa4_forward_into()): the prompt rows of a step
-        that brings at least fa4_min_rows of them go through FA4's paged forward instead of our
-        prefill kernel; the cache must then have 128-token blocks."""
+    def __init__(self, num_programs: int | None = None) -> None:
+        """num_programs: decode programs per kv head; None: as many as fill the GPU once."""
         self.num_programs = num_programs
-        self.fa4_forward_into, self.fa4_min_rows = fa4_forward_into, fa4_min_rows
-        if fa4_forward_into is not None:
-            self.name, self.block_size = "triton_fa4", 128
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: ForwardContext, scale: float,
@@ -106,15 +100,37 @@ class TritonAttention:
 
     def _prepare_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          out: torch.Tensor, ctx: ForwardContext, scale: float,
-                         n: int) -> PagedLaunch | Fa4PagedPrefill:
-        """The launch for the rows after the first n (q and out hold only those). FA4 only in
-        eager steps (host offsets known): it sizes its grid on the host."""
-        starts = ctx.query_start_loc_host
-        if self.fa4_forward_into is not None and starts and starts[-1] - n >= self.fa4_min_rows:
-            assert k_cache.shape[1] == 128, "FA4's paged forward needs 128-token blocks"
-            return Fa4PagedPrefill(self.fa4_forward_into, ctx.query_start_loc[n:] - n,
-                                   ctx.seq_lens[n:], ctx.block_tables[n:], ctx.max_query_len,
-                                   ctx.max_seq_len, scale)
+                         num_decodes: int) -> PagedLaunch | Fa4PagedPrefill:
+        """The launch for the rows after the leading num_decodes (q and out hold only those)."""
+        n = num_decodes
         return prepare_prefill_attention(
             q, k_cache, v_cache, out, ctx.block_tables[n:], ctx.query_start_loc[n:],
             ctx.seq_lens[n:], scale, max_query_len=ctx.max_query_len, first_token=n)
+
+
+class TritonFa4Attention(TritonAttention):
+    """Our kernels, but FlashAttention-4's paged forward for the prompt rows of a step that
+    brings at least fa4_min_rows of them (after its leading one-token requests)."""
+
+    name = "triton_fa4"
+    block_size: int | None = 128  # FA4 pages by whole 128-key tiles on Hopper
+
+    def __init__(self, fa4_forward_into: Callable, fa4_min_rows: int,
+                 num_programs: int | None = None) -> None:
+        """fa4_forward_into: flash_attn_backend.fa4_forward_into()'s function."""
+        super().__init__(num_programs)
+        self.fa4_forward_into, self.fa4_min_rows = fa4_forward_into, fa4_min_rows
+
+    def _prepare_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         out: torch.Tensor, ctx: ForwardContext, scale: float,
+                         num_decodes: int) -> PagedLaunch | Fa4PagedPrefill:
+        """FA4 only where the step's host offsets exist (eager steps, and prompt steps between
+        their graph pieces): it sizes its grid on the host."""
+        starts, n = ctx.query_start_loc_host, num_decodes
+        if not starts or starts[-1] - n < self.fa4_min_rows:
+            return super()._prepare_prefill(q, k_cache, v_cache, out, ctx, scale, n)
+        assert k_cache.shape[1] == 128, "FA4's paged forward needs 128-token blocks"
+        # the rows after the leading one-token requests start at row n: their offsets from 0
+        return Fa4PagedPrefill(self.fa4_forward_into, ctx.query_start_loc[n:] - n,
+                               ctx.seq_lens[n:], ctx.block_tables[n:], ctx.max_query_len,
+                               ctx.max_seq_len, scale)

@@ -15,7 +15,7 @@ from dataplane.attention.flash_attn_backend import (  # noqa: E402
     Fa4PagedPrefill, fa4_forward_into, import_flash_attn)
 from dataplane.attention.torch_backend import TorchAttention  # noqa: E402
 from dataplane.attention.torch_backend import store_kv as torch_store_kv  # noqa: E402
-from dataplane.attention.triton_backend import TritonAttention  # noqa: E402
+from dataplane.attention.triton_backend import TritonAttention, TritonFa4Attention  # noqa: E402
 from dataplane.forward_context import ForwardContext  # noqa: E402
 from dataplane.kernels.paged_inputs import DIRECT_LAUNCH_TRITON_VERSIONS  # noqa: E402
 from dataplane.kernels.store_kv import store_kv  # noqa: E402
@@ -194,12 +194,12 @@ def test_triton_fa4_routes_only_large_prompt_parts_to_fa4(device, gen):
     num_prompt_rows = sum(q for q, _ in DECODES_FIRST[3:])  # 184, after three decodes
     for min_rows, used in [(num_prompt_rows, True), (num_prompt_rows + 1, False)]:
         calls.clear()
-        backend = TritonAttention(fa4_forward_into=forward_into, fa4_min_rows=min_rows)
+        backend = TritonFa4Attention(forward_into, min_rows)
         assert (backend.name, backend.block_size) == ("triton_fa4", 128)
         compare_with_torch(backend, DECODES_FIRST, torch.float32, 128, device, gen)
         assert len(calls) == used
     ctx, _ = make_context(DECODES_FIRST, 128, device, gen)
-    launch = TritonAttention(fa4_forward_into=forward_into)._prepare_prefill(
+    launch = TritonFa4Attention(forward_into, 0)._prepare_prefill(
         torch.zeros(0), torch.zeros(1, 128), None, None, ctx, 0.5, 3)
     assert isinstance(launch, Fa4PagedPrefill)
     assert launch.cu_seqlens_q.tolist() == [0, 37, 53, 54, 184]
@@ -228,12 +228,29 @@ def test_flash_attn_backend_matches_torch(flash_attn, dtype, lens, num_heads, ge
                        num_heads=num_heads)
 
 
+@pytest.fixture(scope="module")
+def fa4_forward():
+    if not torch.cuda.is_available():
+        pytest.skip("FlashAttention-4 needs a GPU")
+    forward_into = fa4_forward_into()
+    if forward_into is None:
+        pytest.skip("no FlashAttention-4 (flash_attn.cute)")
+    return forward_into
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lens", [MIXED, DECODES_FIRST], ids=["mixed", "decodes_first"])
 @pytest.mark.parametrize("num_heads", [16, 32])
-def test_triton_fa4_backend_matches_torch(flash_attn, dtype, lens, num_heads, gen):
+def test_triton_fa4_backend_matches_torch(fa4_forward, dtype, lens, num_heads, gen):
     """Our decode kernel for the leading one-token requests, FA4 (fa4_forward_into, writing
     into our buffer) for the rest."""
-    device = torch.device("cuda")
-    backend = TritonAttention(fa4_forward_into=fa4_forward_into(), fa4_min_rows=0)
-    compare_with_torch(backend, lens, dtype, backend.block_size, device, gen, num_heads=num_heads)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        fa4_forward(*args, **kwargs)
+
+    backend = TritonFa4Attention(counted, 0)
+    compare_with_torch(backend, lens, dtype, backend.block_size, torch.device("cuda"), gen,
+                       num_heads=num_heads)
+    assert calls, "FA4 did not run"

@@ -73,6 +73,21 @@ def backends_and_devices() -> list:
     return cases
 
 
+def count_fa4_calls(monkeypatch, calls: list) -> None:
+    """triton_fa4 with every step's prompt rows through FA4 (these steps bring 9-136 of them),
+    each call noted in `calls`; skips without FA4."""
+    from dataplane.attention import flash_attn_backend
+    forward_into = flash_attn_backend.fa4_forward_into()
+    if forward_into is None:
+        pytest.skip("no FlashAttention-4 (flash_attn.cute)")
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        forward_into(*args, **kwargs)
+    monkeypatch.setattr(flash_attn_backend, "fa4_forward_into", lambda: counted)
+    monkeypatch.setattr("dataplane.attention.base.FA4_MIN_PREFILL_ROWS", 0)
+
+
 @pytest.mark.parametrize("backend,device,dtype,block_size", backends_and_devices())
 def test_logits_match_the_torch_backend(checkpoints, backend, device, dtype, block_size,
                                         monkeypatch):
@@ -80,17 +95,20 @@ def test_logits_match_the_torch_backend(checkpoints, backend, device, dtype, blo
         pytest.skip("needs CUDA")
     if device == "cpu" and torch.cuda.is_available():
         pytest.skip("the CPU case runs under the interpreter only")
-    if backend in ("flash_attn", "triton_fa4"):
+    if backend == "flash_attn":
         from dataplane.attention.flash_attn_backend import import_flash_attn
         fa, errors = import_flash_attn()
         if fa is None:
             pytest.skip(f"no FlashAttention: {'; '.join(errors)}")
-        block_size = 128 if backend == "triton_fa4" else fa.block_size
-        # every step's prompt rows through FA4 (these steps bring 9-43 of them)
-        monkeypatch.setattr("dataplane.attention.base.FA4_MIN_PREFILL_ROWS", 0)
+        block_size = fa.block_size
+    fa4_calls = []
+    if backend == "triton_fa4":
+        block_size = 128
+        count_fa4_calls(monkeypatch, fa4_calls)
     path = checkpoints["untied"]
     expected = run(path, device, dtype, "torch", block_size)
     actual = run(path, device, dtype, backend, block_size)
+    assert bool(fa4_calls) == (backend == "triton_fa4"), "FA4 ran where it should not, or not"
     assert len(actual) == len(expected) == 7
     if dtype == "float32":
         for got, want in zip(actual, expected):
