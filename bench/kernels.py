@@ -125,6 +125,12 @@ def paged_problem(query_lens: list[int], cached_lens: list[int], num_heads: int,
                 max_query_len=max(query_lens), max_seq_len=max(seq_lens))
 
 
+def prefill_args(p: dict) -> tuple:
+    """paged_prefill_attention's positional arguments for a paged_problem."""
+    return (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
+            p["seq_lens"], HEAD_DIM ** -0.5)
+
+
 def kv_bytes(seq_lens: list[int]) -> int:
     return 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
 
@@ -176,8 +182,7 @@ def prefill_case(model: str, name: str, query_lens: list[int], cached_lens: list
                  fa4: Callable | None, copy_bw: float) -> dict:
     num_heads = MODELS[model]
     p = paged_problem(query_lens, cached_lens, num_heads, BLOCK)
-    args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
-            p["seq_lens"], HEAD_DIM ** -0.5)
+    args = prefill_args(p)
     out = paged_prefill_attention(*args, max_query_len=p["max_query_len"])
     ms = bench_ms(lambda: paged_prefill_attention(*args, max_query_len=p["max_query_len"]))
     seq_lens = [q + c for q, c in zip(query_lens, cached_lens)]
@@ -262,8 +267,7 @@ def sweep_rows(copy_bw: float) -> list[dict]:
     for model, case in SWEEP_PREFILL_CASES:
         name, query_lens, cached_lens = PREFILL_CASES[case]
         p = paged_problem(query_lens, cached_lens, MODELS[model], BLOCK)
-        args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
-                p["seq_lens"], HEAD_DIM ** -0.5)
+        args = prefill_args(p)
         group = MODELS[model] // NUM_KV_HEADS
         flops = prefill_flops(query_lens, cached_lens, MODELS[model])
         for rows_m in (64, 128):

@@ -15,11 +15,13 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
 import run_info
-from kernels import BLOCK, HEAD_DIM, MODELS, bench_ms, fa4_ms, load_fa4, paged_problem, prefill_flops
+from kernels import (BLOCK, MODELS, bench_ms, fa4_ms, load_fa4, paged_problem, prefill_args,
+                     prefill_flops)
 
 from dataplane.kernels.paged_prefill_attention import paged_prefill_attention
 
@@ -46,18 +48,15 @@ def time_config(args: tuple, max_query_len: int, config: dict | None) -> dict:
         return dict(error=f"{type(e).__name__}: {e}"[:300])
 
 
-def problem_args(lens: list[int], cached: list[int], num_heads: int, block_size: int) -> tuple:
-    p = paged_problem(lens, cached, num_heads, block_size)
-    return (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
-            p["seq_lens"], HEAD_DIM ** -0.5), p["max_query_len"]
-
-
-def tune(model: str, shape: str, lens: list[int], cached: list[int], fa4, grid: list) -> dict:
+def tune(model: str, shape: str, lens: list[int], cached: list[int], fa4: Callable | None,
+         grid: list[dict]) -> dict:
     num_heads = MODELS[model]
     group = num_heads // 8
-    args, max_query_len = problem_args(lens, cached, num_heads, BLOCK)
+    p = paged_problem(lens, cached, num_heads, BLOCK)
+    args, max_query_len = prefill_args(p), p["max_query_len"]
     flops = prefill_flops(lens, cached, num_heads)
-    beside = dict(block_128=time_config(*problem_args(lens, cached, num_heads, 128), None))
+    p128 = paged_problem(lens, cached, num_heads, 128)
+    beside = dict(block_128=time_config(prefill_args(p128), max_query_len, None))
     if fa4 is not None:
         beside["fa4_block_128"] = dict(ms=fa4_ms(fa4, lens, cached, num_heads))
     for row in beside.values():

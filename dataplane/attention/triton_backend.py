@@ -101,7 +101,8 @@ class TritonAttention:
     def _prepare_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          out: torch.Tensor, ctx: ForwardContext, scale: float,
                          num_decodes: int) -> PagedLaunch | Fa4PagedPrefill:
-        """The launch for the rows after the leading num_decodes (q and out hold only those)."""
+        """The launch for the rows after the leading num_decodes (q and out hold only those):
+        our prefill kernel's here; TritonFa4Attention may hand them to FA4."""
         n = num_decodes
         return prepare_prefill_attention(
             q, k_cache, v_cache, out, ctx.block_tables[n:], ctx.query_start_loc[n:],

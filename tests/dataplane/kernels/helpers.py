@@ -114,6 +114,14 @@ def int32(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
+def counted(fn, calls: list):
+    """fn, noting each call in `calls`: whether a path ran at all (FA4 behind a backend)."""
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 def cumsum0(values: list[int]) -> list[int]:
     out = [0]
     for v in values:

@@ -20,7 +20,7 @@ from dataplane.forward_context import ForwardContext  # noqa: E402
 from dataplane.kernels.paged_inputs import DIRECT_LAUNCH_TRITON_VERSIONS  # noqa: E402
 from dataplane.kernels.store_kv import store_kv  # noqa: E402
 from tests.dataplane.kernels.helpers import (  # noqa: E402
-    DTYPES, KERNEL_MARKS, assert_close, cumsum0, on_gpu, randn, skip_unsupported)
+    DTYPES, KERNEL_MARKS, assert_close, counted, cumsum0, on_gpu, randn, skip_unsupported)
 
 pytestmark = KERNEL_MARKS
 
@@ -245,12 +245,7 @@ def test_triton_fa4_backend_matches_torch(fa4_forward, dtype, lens, num_heads, g
     """Our decode kernel for the leading one-token requests, FA4 (fa4_forward_into, writing
     into our buffer) for the rest."""
     calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        fa4_forward(*args, **kwargs)
-
-    backend = TritonFa4Attention(counted, 0)
+    backend = TritonFa4Attention(counted(fa4_forward, calls), 0)
     compare_with_torch(backend, lens, dtype, backend.block_size, torch.device("cuda"), gen,
                        num_heads=num_heads)
     assert calls, "FA4 did not run"

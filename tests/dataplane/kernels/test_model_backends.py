@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from dataplane.model_runner import ModelRunner, RunnerConfig  # noqa: E402
-from tests.dataplane.kernels.helpers import KERNEL_MARKS  # noqa: E402
+from tests.dataplane.kernels.helpers import KERNEL_MARKS, counted  # noqa: E402
 from tests.dataplane.steps import Sched, configure, make_step  # noqa: E402
 
 pytestmark = KERNEL_MARKS
@@ -80,11 +80,8 @@ def count_fa4_calls(monkeypatch, calls: list) -> None:
     forward_into = flash_attn_backend.fa4_forward_into()
     if forward_into is None:
         pytest.skip("no FlashAttention-4 (flash_attn.cute)")
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        forward_into(*args, **kwargs)
-    monkeypatch.setattr(flash_attn_backend, "fa4_forward_into", lambda: counted)
+    monkeypatch.setattr(flash_attn_backend, "fa4_forward_into",
+                        lambda: counted(forward_into, calls))
     monkeypatch.setattr("dataplane.attention.base.FA4_MIN_PREFILL_ROWS", 0)
 
 
