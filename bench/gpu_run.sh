@@ -44,7 +44,7 @@
 #                  bench-0.6b-pd2: both modes with two steps in flight (--pipeline-depth 2);
 #                  bench-0.6b-fa4: in-process with the flash_attn backend (carry .fa4);
 #                  bench-0.6b-bs128: in-process on 128-token KV blocks (FA4's page size);
-#                  bench-0.6b-tfa4: both modes on triton_fa4 (carry .fa4)
+#                  bench-0.6b-tfa4: both modes on triton_fa4 (carry .fa4); bench-8b-tfa4 likewise
 #   fa4-tests      the flash_attn and triton_fa4 backends' tests (carry .fa4)
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
 #                  bench-0.6b-spy: split with py-spy sampling the server's processes (carry
@@ -189,6 +189,8 @@ for stage in "$@"; do
     bench-0.6b-fa4) timeout 240 python3 bench/throughput.py --model qwen3-0.6b --modes inprocess \
              --attention-backend flash_attn --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-8b) timeout 240 python3 bench/throughput.py --model qwen3-8b --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-8b-tfa4) timeout 280 python3 bench/throughput.py --model qwen3-8b \
+             --attention-backend triton_fa4 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-30b) timeout 300 python3 bench/throughput.py --model qwen3-30b-a3b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-si4) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split --stream-interval 4 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-spy) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes split \
