@@ -3,12 +3,15 @@ of prompts uniform in [100, 1024] (seed 0; the last one cut to fit), no cached t
 for comparison on two prompts of 8,192 and on eight 2,048-token chunks after 4,096 cached
 tokens each; Qwen3-0.6B and Qwen3-8B heads. For each: the default config (the one a step
 launches), then each config of the grid; time, TFLOP/s (causal), and the best. Beside them, on
-128-token blocks: the default config, and FlashAttention-4 (paged) when flash_attn.cute imports.
+128-token blocks: the default config, and FlashAttention-4 (paged) when flash_attn.cute imports,
+with the host's time a call for both (what a step that waits on the host pays).
 (bench/kernels.py --sweep times a smaller grid on its fixed cases.)
 
     PYTHONPATH=.:bench python3 bench/tune_prefill.py tune_prefill.json [--no-grid]
 
-(--no-grid: the default config, the 128-token blocks and FA4 only.)
+(--no-grid: the default config, the 128-token blocks and FA4 only, also on steps of workload A's
+prompts of 2,048, 4,096 and 8,192 tokens: where FA4 starts to pay, triton_fa4's
+FA4_MIN_PREFILL_ROWS.)
 """
 
 import json
@@ -20,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 import run_info
-from kernels import (BLOCK, MODELS, bench_ms, fa4_ms, load_fa4, paged_problem, prefill_args,
+from kernels import (BLOCK, MODELS, bench_ms, fa4_call, load_fa4, paged_problem, prefill_args,
                      prefill_flops)
 
 from dataplane.kernels.paged_prefill_attention import paged_prefill_attention
@@ -30,22 +33,39 @@ GRID = [dict(rows=m, BLOCK_N=n, num_warps=w, num_stages=s)
         for m in (64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3, 4)]
 
 
-def prompt_lens(seed: int = 0) -> list[int]:
+def prompt_lens(num_tokens: int = NUM_TOKENS, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     lens = []
-    while sum(lens) < NUM_TOKENS:
-        lens.append(min(rng.randint(100, 1024), NUM_TOKENS - sum(lens)))
+    while sum(lens) < num_tokens:
+        lens.append(min(rng.randint(100, 1024), num_tokens - sum(lens)))
     return lens
 
 
-def time_config(args: tuple, max_query_len: int, config: dict | None) -> dict:
-    run = lambda: paged_prefill_attention(*args, max_query_len=max_query_len,  # noqa: E731
-                                          config=config)
-    try:
+def host_us(run: Callable[[], object], calls: int = 20) -> float:
+    """The host's microseconds a call: calls enqueued back to back, timed before the device
+    catches up (a long step's kernels outlast their launches)."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(calls):
         run()
-        return dict(ms=bench_ms(run, rep=30))
+    elapsed = time.perf_counter() - started
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def time_call(make_run: Callable[[], Callable[[], object]]) -> dict:
+    """Device ms and host us a call of what make_run returns, or the error that stopped it."""
+    try:
+        run = make_run()
+        run()
+        return dict(ms=bench_ms(run, rep=30), host_us=host_us(run))
     except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record, go on
         return dict(error=f"{type(e).__name__}: {e}"[:300])
+
+
+def time_config(args: tuple, max_query_len: int, config: dict | None) -> dict:
+    return time_call(lambda: lambda: paged_prefill_attention(*args, max_query_len=max_query_len,
+                                                             config=config))
 
 
 def tune(model: str, shape: str, lens: list[int], cached: list[int], fa4: Callable | None,
@@ -58,7 +78,7 @@ def tune(model: str, shape: str, lens: list[int], cached: list[int], fa4: Callab
     p128 = paged_problem(lens, cached, num_heads, 128)
     beside = dict(block_128=time_config(prefill_args(p128), max_query_len, None))
     if fa4 is not None:
-        beside["fa4_block_128"] = dict(ms=fa4_ms(fa4, lens, cached, num_heads))
+        beside["fa4_block_128"] = time_call(lambda: fa4_call(fa4, lens, cached, num_heads))
     for row in beside.values():
         if isinstance(row.get("ms"), float):
             row["tflops"] = flops / row["ms"] / 1e9
@@ -85,6 +105,10 @@ def main() -> None:
     fa4, fa4_status = load_fa4()
     print("FA4", fa4_status, flush=True)
     grid = [] if "--no-grid" in sys.argv[2:] else GRID
+    if not grid:
+        for num_tokens in (2048, 4096, 8192):
+            step = prompt_lens(num_tokens)
+            cases[f"workload A {num_tokens}"] = (step, [0] * len(step))
     shapes = [tune(model, shape, *case, fa4, grid) for shape, case in cases.items()
               for model in MODELS]
     result = dict(device=torch.cuda.get_device_name(), commit=run_info.commit(),
