@@ -4,7 +4,8 @@ for comparison on two prompts of 8,192 and on eight 2,048-token chunks after 4,0
 tokens each; Qwen3-0.6B and Qwen3-8B heads. For each: the default config (the one a step
 launches), then each config of the grid; time, TFLOP/s (causal), and the best. Beside them, on
 128-token blocks: the default config, and FlashAttention-4 (paged) when flash_attn.cute imports,
-with the host's time a call for both (what a step that waits on the host pays).
+with the device's time a call alone and the host's for both (what a step that waits on the host
+pays).
 (bench/kernels.py --sweep times a smaller grid on its fixed cases.)
 
     PYTHONPATH=.:bench python3 bench/tune_prefill.py tune_prefill.json [--no-grid]
@@ -53,12 +54,28 @@ def host_us(run: Callable[[], object], calls: int = 20) -> float:
     return elapsed / calls * 1e6
 
 
+def device_ms(run: Callable[[], object], calls: int = 20) -> float:
+    """The device's milliseconds a call alone: the calls are enqueued while the device sleeps
+    (~25 ms), so none waits for the host (do_bench's figure is the host's where a call takes
+    the host longer than the device: FA4's ~0.2 ms at small steps)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    start.record()
+    for _ in range(calls):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def time_call(make_run: Callable[[], Callable[[], object]]) -> dict:
-    """Device ms and host us a call of what make_run returns, or the error that stopped it."""
+    """ms a call (do_bench), the device's ms alone and the host's us a call of what make_run
+    returns, or the error that stopped it."""
     try:
         run = make_run()
         run()
-        return dict(ms=bench_ms(run, rep=30), host_us=host_us(run))
+        return dict(ms=bench_ms(run, rep=30), device_ms=device_ms(run), host_us=host_us(run))
     except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record, go on
         return dict(error=f"{type(e).__name__}: {e}"[:300])
 
