@@ -6,10 +6,14 @@ from dataplane.forward_context import ForwardContext
 
 BACKENDS = ("auto", "torch", "triton", "triton_fa4", "flash_attn")
 # triton_fa4 hands FA4 the prompt rows of steps that bring at least this many, fewer to our
-# prefill kernel. A guess, not measured between 2k and 16k rows: at 2 x 1024 rows (0.6B heads)
-# ours was faster (h200/kernels.json: 0.063 against 0.077 ms, though FA4 was faster in the
-# file's other cases of up to 2,303 rows), and FA4's host time a call, which a small mixed step
-# between graph pieces would wait on, was not measured.
+# prefill kernel. On an H100 (bench/results/h100/prefill_fa4-4ca2e63.json, workload A's prompts
+# in steps of 2k-16k tokens) FA4's device time was below ours at every size (0.6B heads: 0.026
+# against 0.042 ms at 2,048 rows, 0.048 against 0.079 at 4,096, 0.165 against 0.206 at 16k),
+# but each call of its public function held the host ~155-175 us (ours, launched as prepared
+# once a forward, ~20 us: bench/README's host-timers; triton_fa4 calls a private one). A
+# prompt step launches attention between graph pieces, so FA4 pays once a 0.6B layer's device
+# work outlasts that: ~0.32 ms a layer at 4,096 rows (a 16k-token step takes ~36 ms), ~0.16 at
+# 2,048, where the step would wait on the host. Larger models' layers would pay from fewer rows.
 FA4_MIN_PREFILL_ROWS = 4096
 
 
@@ -70,10 +74,11 @@ def _best_gpu_backend() -> str:
     ours, 21,380 on FA4 (decode steps of 256 rows 5.9 against 8.5 ms, prompt steps 34.9 against
     37.7 ms).
 
-    triton_fa4 (our decode kernel, FA4's prefill) was 0.4-0.6% faster on workload A on an H100
-    (bench/results/h100/*-67f28ae*): 0.25% from its 128-token blocks (our triton backend on
-    them did as much, its decode steps faster), 0.16% more from FA4 (prompt steps 35.6 against
-    36.3 ms; FA4 1.22-1.25x our prefill kernel at workload A's ~560-token prompts, 1.7-2.1x at 8k).
+    triton_fa4 (our decode kernel, FA4's prefill) was faster on workload A on H100s: by 0.4-0.6%
+    at 67f28ae, by 0.6% and 1.0% split and 0.05% and 0.8% in-process at 99d124e
+    (bench/results/h100/*-67f28ae*, *-99d124e*): its prompt steps 36.1-36.2 ms against
+    36.6-36.8, its decode steps 0.02-0.04 ms faster at 128-256 rows on 128-token blocks. Our
+    triton backend on 128-token blocks gained 0.25% at 67f28ae and lost 0.3-0.8% at 99d124e.
     It stays opt-in: it needs FA4 installed (~10 s to import at start-up, through a function
     private to flash-attn-4), and 128-token blocks share cached prefixes only in whole blocks.
     """
