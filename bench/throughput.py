@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from controlplane.engine import EngineConfig  # noqa: E402
 from dataplane import checkpoints  # noqa: E402
+from dataplane.model_runner import RunnerConfig  # noqa: E402
 from dataplane.models import model_class  # noqa: E402
 import run_info  # noqa: E402
 from served import figures, sampled, serve, spy_summary  # noqa: E402
@@ -334,7 +335,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--block-size", type=int, default=16,
+    parser.add_argument("--block-size", type=int, default=RunnerConfig.block_size,
                         help="tokens per KV block, unless the attention backend needs another")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prompt-graphs", action="store_true",
@@ -395,7 +396,7 @@ def _save(args, mode: str, result: dict) -> None:
     suffix += f"-pd{args.pipeline_depth}" \
         if args.pipeline_depth != EngineConfig.pipeline_depth else ""
     suffix += f"-{args.attention_backend}" if args.attention_backend != "auto" else ""
-    suffix += f"-bs{args.block_size}" if args.block_size != 16 else ""
+    suffix += f"-bs{args.block_size}" if args.block_size != RunnerConfig.block_size else ""
     name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 

@@ -14,6 +14,7 @@ BACKENDS = ("auto", "torch", "triton", "triton_fa4", "flash_attn")
 # prompt step launches attention between graph pieces, so FA4 pays once a 0.6B layer's device
 # work outlasts that: ~0.32 ms a layer at 4,096 rows (a 16k-token step takes ~36 ms), ~0.16 at
 # 2,048, where the step would wait on the host. Larger models' layers would pay from fewer rows.
+# (`--attention-backend`'s help and the README quote this value.)
 FA4_MIN_PREFILL_ROWS = 4096
 
 
