@@ -136,9 +136,10 @@ def kv_bytes(seq_lens: list[int]) -> int:
 
 
 def fa4_call(fa4: Callable, query_lens: list[int], cached_lens: list[int],
-             num_heads: int) -> Callable[[], object]:
-    """One FA4 call on these shapes with its 128-token pages, run once (compiled)."""
-    p = paged_problem(query_lens, cached_lens, num_heads, 128)
+             num_heads: int, block_size: int = 128) -> Callable[[], object]:
+    """One FA4 call on these shapes, run once (compiled). On Hopper, 128-token pages are FA4's
+    TMA path; other sizes, its cp.async path (a page looked up per key row)."""
+    p = paged_problem(query_lens, cached_lens, num_heads, block_size)
     run = lambda: fa4(p["q"], p["k_cache"], p["v_cache"],  # noqa: E731
                       cu_seqlens_q=p["query_start_loc"], max_seqlen_q=p["max_query_len"],
                       seqused_k=p["seq_lens"], max_seqlen_k=p["max_seq_len"],

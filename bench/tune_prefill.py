@@ -95,7 +95,9 @@ def tune(model: str, shape: str, lens: list[int], cached: list[int], fa4: Callab
     p128 = paged_problem(lens, cached, num_heads, 128)
     beside = dict(block_128=time_config(prefill_args(p128), max_query_len, None))
     if fa4 is not None:
-        beside["fa4_block_128"] = time_call(lambda: fa4_call(fa4, lens, cached, num_heads))
+        for block_size in (128, BLOCK):
+            beside[f"fa4_block_{block_size}"] = time_call(
+                lambda: fa4_call(fa4, lens, cached, num_heads, block_size))
     for row in beside.values():
         if isinstance(row.get("ms"), float):
             row["tflops"] = flops / row["ms"] / 1e9

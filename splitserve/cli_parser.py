@@ -94,7 +94,7 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                    help="auto: the checkpoint's dtype (default %(default)s)")
     p.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block, unless the attention backend needs another: "
-                        "flash_attn and triton_fa4 force 128 (256 with FlashAttention 2.x) "
+                        "flash_attn forces 128 (256 with FlashAttention 2.x) "
                         "(default %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="cap on the number of KV blocks (small-memory runs, tests)")
@@ -119,8 +119,9 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend",
                    choices=("auto", "torch", "triton", "triton_fa4", "flash_attn"), default="auto",
                    help="auto: torch on CPU, triton on CUDA; triton_fa4: triton with "
-                        "FlashAttention-4 for steps of 4096 or more prompt tokens (it forces "
-                        "128-token blocks) (default %(default)s)")
+                        "FlashAttention-4 for steps of 4096 or more prompt tokens (any block "
+                        "size: FA4 reads 128-token blocks by TMA, gathers others by cp.async) "
+                        "(default %(default)s)")
 
 
 def _add_client(p: argparse.ArgumentParser) -> None:

@@ -9,8 +9,8 @@ capturable: its tile list (`plan_decode`) is built on the device, its sizes depe
 batch size and the block-table width, and nothing is read back on the host.
 
 TritonFa4Attention (the triton_fa4 backend) is this one with FlashAttention-4's paged forward for
-the prompt rows of steps that bring at least `fa4_min_rows` of them (FA4 needs 128-token blocks
-on Hopper).
+the prompt rows of steps that bring at least `fa4_min_rows` of them. On Hopper FA4 loads the
+keys of 128-token blocks through TMA and gathers those of other block sizes with cp.async.
 """
 
 from collections.abc import Callable
@@ -114,7 +114,7 @@ class TritonFa4Attention(TritonAttention):
     brings at least fa4_min_rows of them (after its leading one-token requests)."""
 
     name = "triton_fa4"
-    block_size: int | None = 128  # FA4 pages by whole 128-key tiles on Hopper
+    block_size: int | None = None  # any: FA4 reads 128-token pages by TMA, others by cp.async
 
     def __init__(self, fa4_forward_into: Callable, fa4_min_rows: int,
                  num_programs: int | None = None) -> None:
@@ -130,7 +130,6 @@ class TritonFa4Attention(TritonAttention):
         starts, n = ctx.query_start_loc_host, num_decodes
         if not starts or starts[-1] - n < self.fa4_min_rows:
             return super()._prepare_prefill(q, k_cache, v_cache, out, ctx, scale, n)
-        assert k_cache.shape[1] == 128, "FA4's paged forward needs 128-token blocks"
         # the rows after the leading one-token requests start at row n: their offsets from 0
         return Fa4PagedPrefill(self.fa4_forward_into, ctx.query_start_loc[n:] - n,
                                ctx.seq_lens[n:], ctx.block_tables[n:], ctx.max_query_len,

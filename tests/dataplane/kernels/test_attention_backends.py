@@ -169,7 +169,7 @@ def test_make_backend_names(device):
         with pytest.raises(ValueError, match="triton_fa4 needs FlashAttention-4"):
             make_backend("triton_fa4", device.type)
     else:
-        assert make_backend("triton_fa4", device.type).block_size == 128
+        assert make_backend("triton_fa4", device.type).block_size is None
 
 
 def test_triton_fa4_routes_only_large_prompt_parts_to_fa4(device, gen):
@@ -195,7 +195,7 @@ def test_triton_fa4_routes_only_large_prompt_parts_to_fa4(device, gen):
     for min_rows, used in [(num_prompt_rows, True), (num_prompt_rows + 1, False)]:
         calls.clear()
         backend = TritonFa4Attention(forward_into, min_rows)
-        assert (backend.name, backend.block_size) == ("triton_fa4", 128)
+        assert (backend.name, backend.block_size) == ("triton_fa4", None)
         compare_with_torch(backend, DECODES_FIRST, torch.float32, 128, device, gen)
         assert len(calls) == used
     ctx, _ = make_context(DECODES_FIRST, 128, device, gen)
@@ -241,11 +241,13 @@ def fa4_forward():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lens", [MIXED, DECODES_FIRST], ids=["mixed", "decodes_first"])
 @pytest.mark.parametrize("num_heads", [16, 32])
-def test_triton_fa4_backend_matches_torch(fa4_forward, dtype, lens, num_heads, gen):
+@pytest.mark.parametrize("block_size", [128, 16], ids=["tma_pages", "cp_async_pages"])
+def test_triton_fa4_backend_matches_torch(fa4_forward, dtype, lens, num_heads, block_size, gen):
     """Our decode kernel for the leading one-token requests, FA4 (fa4_forward_into, writing
-    into our buffer) for the rest."""
+    into our buffer) for the rest: on Hopper its TMA path at 128-token blocks, its cp.async
+    gather at 16."""
     calls = []
     backend = TritonFa4Attention(counted(fa4_forward, calls), 0)
-    compare_with_torch(backend, lens, dtype, backend.block_size, torch.device("cuda"), gen,
+    compare_with_torch(backend, lens, dtype, block_size, torch.device("cuda"), gen,
                        num_heads=num_heads)
     assert calls, "FA4 did not run"
