@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT))
 
 from controlplane.engine import EngineConfig  # noqa: E402
 from dataplane import checkpoints  # noqa: E402
-from dataplane.model_runner import RunnerConfig  # noqa: E402
 from dataplane.models import model_class  # noqa: E402
 import run_info  # noqa: E402
 from served import figures, sampled, serve, spy_summary  # noqa: E402
@@ -286,7 +285,7 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
         "--max-model-len", str(args.max_model_len),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--attention-backend", args.attention_backend, "--tp", str(args.tp),
-        "--block-size", str(args.block_size),
+        *(["--block-size", str(args.block_size)] if args.block_size else []),
         "--max-waiting-requests", "4096", "--step-timeout", "600",
         "--stream-interval", str(args.stream_interval), "--frontends", str(args.frontends),
         "--pipeline-depth", str(args.pipeline_depth),
@@ -335,8 +334,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--block-size", type=int, default=RunnerConfig.block_size,
-                        help="tokens per KV block, unless the attention backend needs another")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block, unless the attention backend needs another "
+                             "(default: the backend's preferred, serve's default)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prompt-graphs", action="store_true",
                         help="steps with prompt tokens eagerly (serve's --no-prompt-graphs)")
@@ -396,7 +396,7 @@ def _save(args, mode: str, result: dict) -> None:
     suffix += f"-pd{args.pipeline_depth}" \
         if args.pipeline_depth != EngineConfig.pipeline_depth else ""
     suffix += f"-{args.attention_backend}" if args.attention_backend != "auto" else ""
-    suffix += f"-bs{args.block_size}" if args.block_size != RunnerConfig.block_size else ""
+    suffix += f"-bs{args.block_size}" if args.block_size else ""
     name = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{mode}-tp{args.tp}{suffix}".lower())
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 

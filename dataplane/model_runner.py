@@ -33,7 +33,7 @@ class RunnerConfig:
     device: str = "cpu"
     dtype: str = "auto"
     attention_backend: str = "auto"
-    block_size: int = 16  # unless the attention backend needs another
+    block_size: int | None = None  # None: the attention backend's preferred (unless it needs one)
     num_kv_blocks: int | None = None  # a cap on the KV cache, for small-memory runs and tests
     cpu_kv_cache_gib: float = 1.0  # KV cache budget on CPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the data plane may hold
@@ -45,7 +45,8 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1
+                                            or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, not {self.num_kv_blocks}")
@@ -107,7 +108,7 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.backend = backend
-        self.block_size = backend.block_size or config.block_size
+        self.block_size = backend.block_size or config.block_size or backend.preferred_block_size
         self.batch: InputBatch | None = None
         self.kv: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None

@@ -75,10 +75,12 @@ def _spawn(argv: list[str], name: str):
 
 def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str) -> list[str]:
     argv = ["--model", str(model), "--controlplane-address", address, "--device", args.device,
-            "--tp", str(args.tp), "--dtype", args.dtype, "--block-size", str(args.block_size),
+            "--tp", str(args.tp), "--dtype", args.dtype,
             "--kv-cache-gib", str(args.kv_cache_gib), "--attention-backend", args.attention_backend,
             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--load-format",
             args.load_format, "--log-level", args.log_level]
+    if args.block_size is not None:
+        argv += ["--block-size", str(args.block_size)]
     if args.enforce_eager:
         argv.append("--enforce-eager")
     if args.no_prompt_graphs:

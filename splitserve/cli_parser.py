@@ -92,10 +92,10 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default %(default)s)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="auto: the checkpoint's dtype (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="tokens per KV block, unless the attention backend needs another: "
-                        "flash_attn forces 128 (256 with FlashAttention 2.x) "
-                        "(default %(default)s)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block, unless the attention backend needs another "
+                        "(flash_attn forces 128, 256 with FlashAttention 2.x); default: the "
+                        "backend's fastest, 128 for triton_fa4, else 16")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="cap on the number of KV blocks (small-memory runs, tests)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0,
@@ -119,9 +119,9 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend",
                    choices=("auto", "torch", "triton", "triton_fa4", "flash_attn"), default="auto",
                    help="auto: torch on CPU, triton on CUDA; triton_fa4: triton with "
-                        "FlashAttention-4 for steps of 4096 or more prompt tokens (any block "
-                        "size: FA4 reads 128-token blocks by TMA, gathers others by cp.async) "
-                        "(default %(default)s)")
+                        "FlashAttention-4 for steps of 4096 or more prompt tokens, on "
+                        "128-token blocks unless --block-size names another (FA4 gathers "
+                        "those, 5-10%% slower) (default %(default)s)")
 
 
 def _add_client(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,8 @@ class AttentionBackend(Protocol):
     # The KV-cache block size the backend needs, or None for any power of two. The data plane
     # allocates its cache (and reports block_size to the control plane) with this value.
     block_size: int | None
+    # The block size where the user names none (`--block-size` left out): the backend's fastest.
+    preferred_block_size: int
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: ForwardContext, scale: float,
@@ -81,6 +83,12 @@ def _best_gpu_backend() -> str:
     36.6-36.8, its decode steps 0.02-0.04 ms faster at 128-256 rows on 128-token blocks. Our
     triton backend on 128-token blocks gained 0.25% at 67f28ae and lost 0.3-0.8% at 99d124e.
     It stays opt-in: it needs FA4 installed (~10 s to import at start-up, through a function
-    private to flash-attn-4), and 128-token blocks share cached prefixes only in whole blocks.
+    private to flash-attn-4), and its gain comes with 128-token blocks, which share cached
+    prefixes only in whole blocks. It runs on any block size (FA4 gathers the keys of other
+    sizes with cp.async), but at cfc0eb7 on an H100 (bench/results/h100/*-cfc0eb7*) that gave
+    nothing on workload A: on 16-token blocks split 21,487-21,561 tok/s in three runs against
+    triton's 21,491-21,528 in four, on 128-token blocks 21,593-21,607 in two; FA4's prompt
+    attention took 5-10% longer on 16-token pages (0.176 against 0.164 ms on a 16k-token step's
+    0.6B heads, ours 0.206). So triton_fa4 takes 128-token blocks unless told otherwise.
     """
     return "triton"

@@ -22,6 +22,7 @@ from dataplane.forward_context import ForwardContext
 class FlashAttention4:
     name = "flash_attn"
     block_size: int | None = 128
+    preferred_block_size = 128
 
     def __init__(self, varlen_fn: Callable) -> None:
         self.varlen_fn = varlen_fn  # flash_attn.cute.flash_attn_varlen_func
@@ -41,6 +42,7 @@ class FlashAttention4:
 class FlashAttention2:
     name = "flash_attn"
     block_size: int | None = 256
+    preferred_block_size = 256
 
     def __init__(self, varlen_fn: Callable, kvcache_fn: Callable) -> None:
         self.varlen_fn = varlen_fn  # flash_attn.flash_attn_varlen_func

@@ -27,6 +27,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 class TorchAttention:
     name = "torch"
     block_size: int | None = None  # any
+    preferred_block_size = 16
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: ForwardContext, scale: float,

@@ -64,6 +64,7 @@ def _split(q: torch.Tensor, out: torch.Tensor, num_decodes: int) -> tuple[tuple,
 class TritonAttention:
     name = "triton"
     block_size: int | None = None  # any power of two
+    preferred_block_size = 16
 
     def __init__(self, num_programs: int | None = None) -> None:
         """num_programs: decode programs per kv head; None: as many as fill the GPU once."""
@@ -115,6 +116,9 @@ class TritonFa4Attention(TritonAttention):
 
     name = "triton_fa4"
     block_size: int | None = None  # any: FA4 reads 128-token pages by TMA, others by cp.async
+    # 128 by measurement (_best_gpu_backend): on 16-token blocks FA4's gather is 5-10% slower
+    # and workload A gains nothing over `triton`; smaller blocks share cached prefixes finer.
+    preferred_block_size = 128
 
     def __init__(self, fa4_forward_into: Callable, fa4_min_rows: int,
                  num_programs: int | None = None) -> None:

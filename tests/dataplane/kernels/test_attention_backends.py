@@ -163,6 +163,9 @@ def test_make_backend_names(device):
     assert isinstance(make_backend("triton", device.type), TritonAttention)
     assert make_backend("auto", "cpu").name == "torch"
     assert make_backend("triton", device.type).block_size is None
+    # the block sizes where --block-size is left out (serve's help and the README quote them)
+    assert (TritonAttention.preferred_block_size, TritonFa4Attention.preferred_block_size) \
+        == (16, 128)
     with pytest.raises(ValueError, match="unknown attention backend"):
         make_backend("nope", device.type)
     if fa4_forward_into() is None:
