@@ -121,7 +121,7 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                    help="auto: torch on CPU, triton on CUDA; triton_fa4: triton with "
                         "FlashAttention-4 for steps of 4096 or more prompt tokens, on "
                         "128-token blocks unless --block-size names another (FA4 gathers "
-                        "those, 5-10%% slower) (default %(default)s)")
+                        "those, 5-12%% slower) (default %(default)s)")
 
 
 def _add_client(p: argparse.ArgumentParser) -> None:

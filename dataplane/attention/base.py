@@ -85,10 +85,11 @@ def _best_gpu_backend() -> str:
     It stays opt-in: it needs FA4 installed (~10 s to import at start-up, through a function
     private to flash-attn-4), and its gain comes with 128-token blocks, which share cached
     prefixes only in whole blocks. It runs on any block size (FA4 gathers the keys of other
-    sizes with cp.async), but at cfc0eb7 on an H100 (bench/results/h100/*-cfc0eb7*) that gave
-    nothing on workload A: on 16-token blocks split 21,487-21,561 tok/s in three runs against
-    triton's 21,491-21,528 in four, on 128-token blocks 21,593-21,607 in two; FA4's prompt
-    attention took 5-10% longer on 16-token pages (0.176 against 0.164 ms on a 16k-token step's
-    0.6B heads, ours 0.206). So triton_fa4 takes 128-token blocks unless told otherwise.
+    sizes with cp.async, 5-12% slower than its TMA path on 128), but at cfc0eb7 on an H100
+    (bench/results/h100/*-cfc0eb7*) 16-token blocks gave nothing on workload A: split
+    21,487-21,561 tok/s in three runs against triton's 21,491-21,528 in four. On 128-token
+    blocks, 21,593-21,607 in two, the gain was in the decode steps (18-28 ms less a run); the
+    prompt steps were faster on 16-token blocks (35.1-35.3 ms against 35.7-35.8; triton's
+    36.3-36.7). So triton_fa4 takes 128-token blocks unless told otherwise.
     """
     return "triton"
