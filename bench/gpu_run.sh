@@ -14,7 +14,8 @@
 #                  prefill-tests: the prefill attention kernel's
 #   decode-timeline  decode attention's programs stamping the global timer: launch, prologue,
 #                  tile loop, merges, the spread of their ends, on tune-decode's shapes
-#   tune-decode    decode attention configs and programs per SM on workload-like shapes
+#   tune-decode    decode attention configs and programs per SM on workload-like shapes;
+#                  decode-pages: its default launch on 16- and 128-token pages, shuffled or in order
 #   tune-prefill   prefill attention configs on workload A's 16k-token prompt steps
 #   prefill-fa4    the default config on 16- and 128-token blocks and FlashAttention-4 (paged, carry
 #                  .fa4) on the same prompt steps
@@ -124,6 +125,8 @@ for stage in "$@"; do
              | grep -v Warning | tail -12 ;;
     tune-decode) timeout 300 python3 bench/tune_decode.py --out "$OUT/decode_tuning.json" 2>&1 \
              | tee "$OUT/tune-decode.log" | tail -20 ;;
+    decode-pages) timeout 200 python3 bench/tune_decode.py --pages --out "$OUT/decode_pages.json" \
+             2>&1 | grep -v Warning | tail -20 ;;
     host-profile) timeout 180 python3 bench/host_profile.py 2>&1 | tee "$OUT/host-profile.log" \
              | head -60 ;;
     host-profile-16k) timeout 180 python3 bench/host_profile.py --max-num-batched-tokens 16384 \

@@ -103,13 +103,15 @@ def load_fa4() -> tuple[Callable | None, str]:
 
 
 def paged_problem(query_lens: list[int], cached_lens: list[int], num_heads: int,
-                  block_size: int) -> dict:
-    """Random bf16 cache with each request's blocks shuffled; everything on the GPU."""
+                  block_size: int, shuffled: bool = True) -> dict:
+    """Random bf16 cache with the blocks shuffled over the requests (not shuffled: each
+    request's blocks adjacent, in order); everything on the GPU."""
     seq_lens = [q + c for q, c in zip(query_lens, cached_lens)]
     blocks_per_req = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_req) + 1
     kv = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
-    order = torch.randperm(num_blocks, device=DEVICE).int()
+    order = (torch.randperm(num_blocks, device=DEVICE) if shuffled
+             else torch.arange(num_blocks, device=DEVICE)).int()
     tables = torch.zeros(len(seq_lens), max(blocks_per_req), dtype=torch.int32, device=DEVICE)
     used = 0
     for i, count in enumerate(blocks_per_req):

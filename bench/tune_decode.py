@@ -5,7 +5,12 @@ each count of programs per SM with the best config; and the plan kernel's own ti
 a forward, shared by every layer). (The run in bench/results/h200/decode_tuning.json, at
 a9cdbf6, tuned the earlier split-KV kernel: tiles, grid orders and split counts.)
 
-    PYTHONPATH=. python3 bench/tune_decode.py --out decode_tuning.json
+    PYTHONPATH=. python3 bench/tune_decode.py --out decode_tuning.json [--pages]
+
+--pages: only the default launch, on 16- and 128-token pages, each size with the pages shuffled
+over the requests (as a long run's decode blocks end up) and with each request's pages adjacent
+in order: whether what 128-token blocks gain in workload A's decode steps (bench/README's
+thirtieth session) comes from the pages' size or from where they lie.
 """
 
 import argparse
@@ -31,6 +36,7 @@ CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
            [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2),
             (128, 8, 3)]]
 PROGRAMS_PER_SM = [1, 2, 3, 4, 6, 8]
+PAGE_LAYOUTS = [(BLOCK, True), (BLOCK, False), (128, True), (128, False)]  # (size, shuffled)
 
 
 def measure(args: tuple, programs_per_sm: int | None, config: dict, moved: int,
@@ -60,11 +66,13 @@ def batch_contexts(rows: int, lo: int, hi: int) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(rows)]
 
 
-def problem(model: str, rows: int, lo: int, hi: int) -> tuple[tuple, list[int]]:
+def problem(model: str, rows: int, lo: int, hi: int, block_size: int = BLOCK,
+            shuffled: bool = True) -> tuple[tuple, list[int]]:
     """A decode batch of `rows` requests with contexts uniform in [lo, hi]: the kernel's
     arguments and the contexts."""
     contexts = batch_contexts(rows, lo, hi)
-    p = paged_problem([1] * rows, [c - 1 for c in contexts], MODELS[model], BLOCK)
+    p = paged_problem([1] * rows, [c - 1 for c in contexts], MODELS[model], block_size,
+                      shuffled)
     args = (p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["seq_lens"],
             HEAD_DIM ** -0.5)
     return args, contexts
@@ -94,12 +102,25 @@ def tune_shape(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
                 default=default, best=best, plan_ms=plan_ms, tried=tried)
 
 
+def pages_shape(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict:
+    """The default launch on each of PAGE_LAYOUTS."""
+    layouts = []
+    for block_size, shuffled in PAGE_LAYOUTS:
+        args, contexts = problem(model, rows, lo, hi, block_size, shuffled)
+        layouts.append(dict(block_size=block_size, shuffled=shuffled,
+                            **measure(args, None, {}, kv_bytes(contexts), copy_bw)))
+        del args
+    return dict(model=model, rows=rows, contexts=[lo, hi], layouts=layouts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
     parser.add_argument("--once", type=int, default=None, metavar="ROWS",
                         choices=[rows for model, rows, _, _ in SHAPES if model == "qwen3-0.6b"],
                         help="only launch the default config on that 0.6B shape, untimed (for ncu)")
+    parser.add_argument("--pages", action="store_true",
+                        help="only the default launch on 16- and 128-token pages, shuffled or not")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.once is not None:
@@ -114,16 +135,27 @@ def main() -> None:
                   copy_bandwidth_gbps=copy_bw / 1e9,
                   shapes=[])
     for model, rows, lo, hi in SHAPES:
-        shape = tune_shape(model, rows, lo, hi, copy_bw)
+        if args.pages:
+            shape = pages_shape(model, rows, lo, hi, copy_bw)
+            line = "; ".join(f"{r['block_size']}-token pages "
+                             f"{'shuffled' if r['shuffled'] else 'in order'} {_timing(r)}"
+                             for r in shape["layouts"])
+        else:
+            shape = tune_shape(model, rows, lo, hi, copy_bw)
+            d, b = shape["default"], shape["best"]
+            line = (f"default {_timing(d)}; best {b['programs_per_sm']} programs/SM "
+                    f"{b['config']} {_timing(b)}; plan {shape['plan_ms'] * 1e3:.1f} us")
+        print(f"{model} {rows} rows [{lo}, {hi}]: {line}", flush=True)
         report["shapes"].append(shape)
-        d, b = shape["default"], shape["best"]
-        print(f"{model} {rows} rows [{lo}, {hi}]: default {d['ms'] * 1e3:.1f} us "
-              f"({100 * d['fraction_of_copy_bw']:.1f}%); best {b['programs_per_sm']} programs/SM "
-              f"{b['config']} {b['ms'] * 1e3:.1f} us ({100 * b['fraction_of_copy_bw']:.1f}%); "
-              f"plan {shape['plan_ms'] * 1e3:.1f} us", flush=True)
         report["seconds"] = time.time() - started
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def _timing(row: dict) -> str:
+    if "ms" not in row:
+        return row["error"]
+    return f"{row['ms'] * 1e3:.1f} us ({100 * row['fraction_of_copy_bw']:.1f}%)"
 
 
 if __name__ == "__main__":
