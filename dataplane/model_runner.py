@@ -6,6 +6,7 @@ always has the next step queued while the host packs and sends the previous resu
 """
 
 import gc
+import logging
 import pathlib
 import time
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from dataplane.loader import load_config, load_model, resolve_dtype
 from dataplane.sampler import SamplerOutput, SamplingBatch, sample
 from dataplane.warmup import DummySteps
 from protos import link_pb2
+
+log = logging.getLogger("splitserve.dataplane")
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,11 @@ class ModelRunner:
         device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" \
             else torch.device("cpu")
         model = load_model(config.model_dir, hf_config, dtype, device, config.load_format)
-        return cls(config, hf_config, model, dtype, device,
-                   make_backend(config.attention_backend, config.device))
+        backend = make_backend(config.attention_backend, config.device)
+        if config.block_size not in (None, backend.block_size) and backend.block_size:
+            log.warning("attention backend %s needs %d-token KV blocks: block_size %d ignored",
+                        backend.name, backend.block_size, config.block_size)
+        return cls(config, hf_config, model, dtype, device, backend)
 
     @property
     def vocab_size(self) -> int:

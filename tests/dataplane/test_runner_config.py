@@ -40,3 +40,12 @@ def test_block_size_is_needed_else_asked_else_preferred(checkpoints, monkeypatch
     runner = ModelRunner.load(RunnerConfig(model_dir=checkpoints["untied"], block_size=asked,
                                            num_kv_blocks=8))
     assert runner.block_size == expected
+
+
+def test_a_block_size_the_backend_overrides_is_logged(checkpoints, monkeypatch, caplog):
+    monkeypatch.setattr("dataplane.model_runner.make_backend", lambda name, device: _Needs128())
+    with caplog.at_level("WARNING", logger="splitserve.dataplane"):
+        ModelRunner.load(RunnerConfig(model_dir=checkpoints["untied"], block_size=16,
+                                      num_kv_blocks=8))
+    assert "attention backend needs_128 needs 128-token KV blocks: block_size 16 ignored" \
+        in caplog.text
