@@ -109,7 +109,6 @@ def pages_shape(model: str, rows: int, lo: int, hi: int, copy_bw: float) -> dict
         args, contexts = problem(model, rows, lo, hi, block_size, shuffled)
         layouts.append(dict(block_size=block_size, shuffled=shuffled,
                             **measure(args, None, {}, kv_bytes(contexts), copy_bw)))
-        del args
     return dict(model=model, rows=rows, contexts=[lo, hi], layouts=layouts)
 
 

@@ -6,7 +6,6 @@ always has the next step queued while the host packs and sends the previous resu
 """
 
 import gc
-import logging
 import pathlib
 import time
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from transformers import PretrainedConfig
 
 from common.wire import pack_f32, pack_i32
 from dataplane import kv_cache
-from dataplane.attention import AttentionBackend, make_backend
+from dataplane.attention import AttentionBackend, kv_block_size, make_backend
 from dataplane.cuda_graphs import MAX_MIXED_TOKENS, DecodeGraphs, MixedGraphs
 from dataplane.distributed import broadcast_from_rank0, tp_rank
 from dataplane.forward_context import forward_context
@@ -26,8 +25,6 @@ from dataplane.loader import load_config, load_model, resolve_dtype
 from dataplane.sampler import SamplerOutput, SamplingBatch, sample
 from dataplane.warmup import DummySteps
 from protos import link_pb2
-
-log = logging.getLogger("splitserve.dataplane")
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,7 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.backend = backend
-        self.block_size = backend.block_size or config.block_size or backend.preferred_block_size
+        self.block_size = kv_block_size(backend, config.block_size)
         self.batch: InputBatch | None = None
         self.kv: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
@@ -131,11 +128,8 @@ class ModelRunner:
         device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" \
             else torch.device("cpu")
         model = load_model(config.model_dir, hf_config, dtype, device, config.load_format)
-        backend = make_backend(config.attention_backend, config.device)
-        if config.block_size not in (None, backend.block_size) and backend.block_size:
-            log.warning("attention backend %s needs %d-token KV blocks: block_size %d ignored",
-                        backend.name, backend.block_size, config.block_size)
-        return cls(config, hf_config, model, dtype, device, backend)
+        return cls(config, hf_config, model, dtype, device,
+                   make_backend(config.attention_backend, config.device))
 
     @property
     def vocab_size(self) -> int:

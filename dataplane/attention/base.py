@@ -1,3 +1,4 @@
+import logging
 from typing import Protocol
 
 import torch
@@ -16,6 +17,7 @@ BACKENDS = ("auto", "torch", "triton", "triton_fa4", "flash_attn")
 # 2,048, where the step would wait on the host. Larger models' layers would pay from fewer rows.
 # (`--attention-backend`'s help and the README quote this value.)
 FA4_MIN_PREFILL_ROWS = 4096
+log = logging.getLogger("splitserve.dataplane")
 
 
 class AttentionBackend(Protocol):
@@ -39,6 +41,15 @@ class AttentionBackend(Protocol):
         tensor. Returns [num_tokens, num_heads, head_dim].
         """
         ...
+
+
+def kv_block_size(backend: AttentionBackend, asked: int | None) -> int:
+    """The KV block size a data plane runs `backend` with: the one it needs, else the one asked
+    for (`--block-size`), else its preferred. An asked size the backend overrides is logged."""
+    if backend.block_size and asked not in (None, backend.block_size):
+        log.warning("attention backend %s needs %d-token KV blocks: block_size %d ignored",
+                    backend.name, backend.block_size, asked)
+    return backend.block_size or asked or backend.preferred_block_size
 
 
 def make_backend(name: str, device: str) -> AttentionBackend:

@@ -115,8 +115,8 @@ class TritonFa4Attention(TritonAttention):
     brings at least fa4_min_rows of them (after its leading one-token requests)."""
 
     name = "triton_fa4"
-    block_size: int | None = None  # any: FA4 reads 128-token pages by TMA, others by cp.async
-    # 128 by measurement (_best_gpu_backend): there workload A ran 0.4-0.9% faster than on
+    # Any block size (FA4 reads 128-token pages by TMA, gathers others by cp.async); 128 by
+    # measurement (_best_gpu_backend): there workload A ran 0.4-0.9% faster than on
     # `triton`, on 16-token blocks no faster; smaller blocks share cached prefixes finer.
     preferred_block_size = 128
 
