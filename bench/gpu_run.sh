@@ -15,7 +15,7 @@
 #   decode-timeline  decode attention's programs stamping the global timer: launch, prologue,
 #                  tile loop, merges, the spread of their ends, on tune-decode's shapes
 #   tune-decode    decode attention configs and programs per SM on workload-like shapes;
-#                  decode-pages: its default launch on 16- and 128-token pages, shuffled or in order
+#                  decode-pages: its default launch on 16- to 128-token pages, shuffled or in order
 #   tune-prefill   prefill attention configs on workload A's 16k-token prompt steps
 #   prefill-fa4    the default config on 16- and 128-token blocks and FlashAttention-4 (paged, carry
 #                  .fa4) on the same prompt steps
@@ -45,7 +45,7 @@
 #                  bench-0.6b-nopdl: both modes without programmatic dependent launch;
 #                  bench-0.6b-pd2: both modes with two steps in flight (--pipeline-depth 2);
 #                  bench-0.6b-fa4: in-process with the flash_attn backend (carry .fa4);
-#                  bench-0.6b-bs128: in-process on 128-token KV blocks (FA4's page size);
+#                  bench-0.6b-bs<N>: both modes on N-token KV blocks (bench-0.6b-bs128: FA4's size);
 #                  bench-0.6b-tfa4: both modes on triton_fa4 (carry .fa4), on its 128-token blocks
 #                  (FA4's TMA pages); bench-0.6b-tfa4-bs16: on 16 (FA4's cp.async gather);
 #                  bench-8b-tfa4 likewise
@@ -184,8 +184,8 @@ for stage in "$@"; do
              --rounds "${AB_ROUNDS:-2}" --out "$OUT/ab.json" 2>&1 | tail -12 ;;
     bench-0.6b) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-nopdl) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --no-pdl --out-dir "$OUT" 2>&1 | tail -20 ;;
-    bench-0.6b-bs128) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --modes inprocess \
-             --block-size 128 --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-0.6b-bs*) timeout 150 python3 bench/throughput.py --model qwen3-0.6b \
+             --block-size "${stage#bench-0.6b-bs}" --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-tfa4) timeout 200 python3 bench/throughput.py --model qwen3-0.6b \
              --attention-backend triton_fa4 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-tfa4-bs16) timeout 200 python3 bench/throughput.py --model qwen3-0.6b \

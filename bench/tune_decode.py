@@ -7,10 +7,10 @@ a9cdbf6, tuned the earlier split-KV kernel: tiles, grid orders and split counts.
 
     PYTHONPATH=. python3 bench/tune_decode.py --out decode_tuning.json [--pages]
 
---pages: only the default launch, on 16- and 128-token pages, each size with the pages shuffled
-over the requests (as a long run's decode blocks end up) and with each request's pages adjacent
-in order: whether what 128-token blocks gain in workload A's decode steps (bench/README's
-thirtieth session) comes from the pages' size or from where they lie.
+--pages: only the default launch, on 16-, 32-, 64- and 128-token pages, each size with the
+pages shuffled over the requests (as a long run's decode blocks end up) and with each request's
+pages adjacent in order: whether what 128-token blocks gain in workload A's decode steps
+(bench/README's thirtieth session) comes from the pages' size or from where they lie.
 """
 
 import argparse
@@ -36,7 +36,7 @@ CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
            [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2),
             (128, 8, 3)]]
 PROGRAMS_PER_SM = [1, 2, 3, 4, 6, 8]
-PAGE_LAYOUTS = [(BLOCK, True), (BLOCK, False), (128, True), (128, False)]  # (size, shuffled)
+PAGE_LAYOUTS = [(size, shuffled) for size in (BLOCK, 32, 64, 128) for shuffled in (True, False)]
 
 
 def measure(args: tuple, programs_per_sm: int | None, config: dict, moved: int,
@@ -119,7 +119,7 @@ def main() -> None:
                         choices=[rows for model, rows, _, _ in SHAPES if model == "qwen3-0.6b"],
                         help="only launch the default config on that 0.6B shape, untimed (for ncu)")
     parser.add_argument("--pages", action="store_true",
-                        help="only the default launch on 16- and 128-token pages, shuffled or not")
+                        help="only the default launch on 16- to 128-token pages, shuffled or not")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.once is not None:
