@@ -7,10 +7,12 @@ the process when the control plane declares this data plane lost (a Reject in it
 when no control plane has been heard for `controlplane_grace_s`.
 
 A control plane silent for `heartbeat_timeout_s` may be gone or only frozen (stopped, starved of
-CPU). The thread keeps its epoch and repeats Hello in it: the same control plane, running again,
-resumes this data plane where it was (DataPlaneLink._on_hello); a new one configures a new
-epoch. The connection itself outlives such a freeze: its transport heartbeats give up only
-after `transport_timeout_s` (a reconnect would reach the ROUTER under a new routing id).
+CPU); one whose messages wait unread was not silent (this thread was kept off the GIL, by a
+kernel compile at configure, say). The thread keeps its epoch and repeats Hello in it: the same
+control plane, running again, resumes this data plane where it was (DataPlaneLink._on_hello); a
+new one configures a new epoch. The connection itself outlives such a freeze: its transport
+heartbeats give up only after `transport_timeout_s` (a reconnect would reach the ROUTER under a
+new routing id).
 """
 
 import logging
@@ -129,7 +131,7 @@ class _IOLoop:
     def _tick(self, now: float) -> None:
         config = self.link.config
         if self.epoch and self.lost_since is None and \
-                now - self.last_heard > config.heartbeat_timeout_s:
+                now - self.last_heard > config.heartbeat_timeout_s and not self._unread():
             self.lost_since = now
             self.pair.send_multipart([LOST, b""])
         if self.lost_since is not None and now - self.lost_since > config.controlplane_grace_s:
@@ -141,6 +143,11 @@ class _IOLoop:
             self._send(link_pb2.LinkMessage(epoch=self.epoch, hello=self.link.hello))
         elif now - self.last_sent > config.heartbeat_interval_s:
             self._send(link_pb2.LinkMessage(epoch=self.epoch, heartbeat=link_pb2.Heartbeat()))
+
+    def _unread(self) -> bool:
+        """Messages wait: this thread was kept off the GIL (a kernel compile), the control plane
+        was not silent. Read them before judging its silence."""
+        return bool(self.dealer.get(zmq.EVENTS) & zmq.POLLIN)
 
     def _send(self, message: link_pb2.LinkMessage) -> None:
         self.seq += 1

@@ -1,13 +1,17 @@
 """A data plane may be silent while it configures (kernel compiles hold its GIL, so its I/O
-thread cannot heartbeat): the control plane waits for its Ready past the heartbeat timeout."""
+thread cannot heartbeat): the control plane waits for its Ready past the heartbeat timeout, and
+the data plane does not take the heartbeats queued meanwhile for a silent control plane."""
 
 import itertools
+import sys
 import time
 
 import pytest
 import zmq
 
 from common import framing
+from common.transport import LinkConfig
+from dataplane.link import LOST, RELAY, ControlPlaneLink
 from protos import link_pb2
 from tests.integration import harness
 from tests.integration.test_link_security import rogue_hello
@@ -63,6 +67,43 @@ def test_a_data_plane_silent_while_configuring_is_attached_when_ready(control_pl
         assert "silent" not in server.log()
     finally:
         sock.close()
+
+
+def hold_the_gil(seconds: float) -> None:
+    """What a kernel compile does to the data plane: no other thread of the process runs."""
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 10)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(switch_interval)
+
+
+def test_a_data_plane_stalled_while_configuring_does_not_lose_its_control_plane(control_plane):
+    """The data plane's own link (its I/O thread) through a 3 s stall after Configure, twice
+    the heartbeat timeout: the control plane's heartbeats wait unread meanwhile, which is not
+    silence. It used to relay LOST and log "control plane silent" once configured (FA4's
+    compiles at configure, ~30 s on an H100, did that in bench runs)."""
+    model, link, server = control_plane
+    hello = framing.decode(rogue_hello(model)).hello
+    data_plane = ControlPlaneLink(link, hello, LinkConfig())
+    data_plane.start()
+    try:
+        kind, payload = data_plane.recv(timeout_s=10.0)
+        configure = link_pb2.LinkMessage.FromString(payload)
+        assert kind == RELAY and configure.WhichOneof("body") == "configure"
+        hold_the_gil(3.0)
+        data_plane.send(link_pb2.LinkMessage(epoch=configure.epoch, ready=link_pb2.Ready(
+            num_kv_blocks=64, block_size=16)))
+        kinds = []
+        while (received := data_plane.recv(timeout_s=2.0)) is not None:  # LOST comes at once
+            kinds.append(received[0])
+        assert LOST not in kinds
+        assert server.client.is_serving(timeout=5.0), server.log()
+    finally:
+        data_plane.close()
 
 
 @pytest.mark.parametrize("ready", [link_pb2.Ready(num_kv_blocks=64, block_size=0),
