@@ -10,6 +10,7 @@ Block sizes (exposed as `block_size`; the data plane must allocate the cache wit
 - FA 2.x needs pages that are multiples of 256 tokens for `block_table`.
 """
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,6 +92,7 @@ def fa4_forward_into() -> Callable | None:
     bytes again as the kernel writes) and goes through autograd; the module function under it
     takes `out`. It is private to flash-attn-4 (4.0.0b36 in fa4-bundle.sh): the backend tests
     check it against the torch reference."""
+    _keep_fa4_kernels_on_disk()
     try:
         from flash_attn.cute.interface import _flash_attn_fwd
     except ImportError:
@@ -100,6 +102,15 @@ def fa4_forward_into() -> Callable | None:
                      out: torch.Tensor, **kwargs) -> None:
         _flash_attn_fwd(q, k_cache, v_cache, out=out, **kwargs)
     return forward_into
+
+
+def _keep_fa4_kernels_on_disk() -> None:
+    """FA4's own cache of compiled kernels on disk (FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, else
+    /tmp/$USER/flash_attention_cute_dsl_cache), on unless the environment turns it off: a data
+    plane restarted on the same host (after a crash, say) loads the kernels instead of compiling
+    them again, which took ~20 s of a 0.6B data plane's configure on an H100. Read when
+    flash_attn.cute is first imported."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
@@ -117,6 +128,7 @@ def import_flash_attn() -> tuple[FlashAttention4 | FlashAttention2 | None, list[
     """(backend or None, the import errors met on the way): a half-installed FlashAttention
     (FA4 also needs nvidia-cutlass-dsl, quack-kernels and einops) should say what is missing."""
     errors = []
+    _keep_fa4_kernels_on_disk()
     try:
         from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
         return FlashAttention4(fa4_varlen), errors
