@@ -80,29 +80,27 @@ def make_backend(name: str, device: str) -> AttentionBackend:
 
 
 def _best_gpu_backend() -> str:
-    """triton_fa4 on Hopper where FlashAttention-4 imports, else triton.
+    """Our Triton kernels: always installed, any block size, a decode kernel that spreads any
+    batch's tiles evenly over the GPU, CUDA-graph capturable without warm-up compiles per shape.
+    FlashAttention-4 has no split-KV on Hopper, forces 128-token blocks and takes ~10 s to
+    import; it stays opt-in (`flash_attn`). Measured on an H200, workload A in-process
+    (bench/results/h200/qwen3-0.6b-inprocess-tp1{,-flash-attn}-f25a5ea.json): 27,079 tok/s on
+    ours, 21,380 on FA4 (decode steps of 256 rows 5.9 against 8.5 ms, prompt steps 34.9 against
+    37.7 ms).
 
-    Our Triton kernels run everywhere: always installed, any block size, a decode kernel that
-    spreads any batch's tiles evenly over the GPU, CUDA-graph capturable without warm-up
-    compiles per shape. FA4 as the whole backend (`flash_attn`) lost: it has no split-KV on
-    Hopper and forces 128-token blocks. On an H200, workload A in-process
-    (bench/results/h200/qwen3-0.6b-inprocess-tp1{,-flash-attn}-f25a5ea.json) ran 27,079 tok/s
-    on ours, 21,380 on FA4 (decode steps of 256 rows 5.9 against 8.5 ms).
-
-    triton_fa4 keeps our decode kernel and hands FA4 the prompt rows of large steps, where its
-    prefill is faster (0.6B heads on an H100, bench/results/h100/prefill_fa4-cfc0eb7.json: a
-    16k-token workload-A step 0.164 against 0.206 ms a layer, two 8k prompts 0.81 against
-    1.50). On its 128-token blocks workload A ran faster than on triton on H100s in every
-    session that compared them (bench/results/h100/*-{67f28ae,99d124e,cfc0eb7,3b16a97,65c5784}*):
-    its mean by 0.3-1.0% split, its prompt steps 1-1.5 ms faster and its decode steps 10-30 ms
-    a run. Our triton backend on 128-token blocks gains part of the decode steps' share and
-    loses in the prompt steps (65c5784: ~9 ms of device time a run against triton_fa4's ~25).
-    What it costs: importing FA4 at start-up (~3.5 s) and compiling its kernels the first time
-    (~12 s; later starts on the host load them from FA4's disk cache), 128-token blocks unless
-    `--block-size` names another (cached prefixes are shared in whole blocks), and a function
-    private to flash-attn-4 (the backend tests check it against the torch reference). Only
-    Hopper was measured, so other GPUs keep triton."""
-    from dataplane.attention.flash_attn_backend import fa4_forward_into
-    if torch.cuda.get_device_capability()[0] == 9 and fa4_forward_into() is not None:
-        return "triton_fa4"
+    triton_fa4 (our decode kernel, FA4's prefill) was faster on workload A on H100s: by 0.4-0.6%
+    at 67f28ae, by 0.6% and 1.0% split and 0.05% and 0.8% in-process at 99d124e
+    (bench/results/h100/*-67f28ae*, *-99d124e*): its prompt steps 36.1-36.2 ms against
+    36.6-36.8, its decode steps 0.02-0.04 ms faster at 128-256 rows on 128-token blocks. Our
+    triton backend on 128-token blocks gained 0.25% at 67f28ae and lost 0.3-0.8% at 99d124e.
+    It stays opt-in: it needs FA4 installed (~10 s to import at start-up, through a function
+    private to flash-attn-4), and its gain comes with 128-token blocks, which share cached
+    prefixes only in whole blocks. It runs on any block size (FA4 gathers the keys of other
+    sizes with cp.async, 5-12% slower than its TMA path on 128), but at cfc0eb7 on an H100
+    (bench/results/h100/*-cfc0eb7*) 16-token blocks gave nothing on workload A: split
+    21,487-21,561 tok/s in three runs against triton's 21,491-21,528 in four. On 128-token
+    blocks, 21,593-21,607 in two, the gain was in the decode steps (18-28 ms less a run); the
+    prompt steps were faster on 16-token blocks (35.1-35.3 ms against 35.7-35.8; triton's
+    36.3-36.7). So triton_fa4 takes 128-token blocks unless told otherwise.
+    """
     return "triton"

@@ -116,7 +116,7 @@ class TritonFa4Attention(TritonAttention):
 
     name = "triton_fa4"
     # Any block size (FA4 reads 128-token pages by TMA, gathers others by cp.async); 128 by
-    # measurement (_best_gpu_backend): there workload A ran 0.3-1.0% faster than on
+    # measurement (_best_gpu_backend): there workload A ran 0.4-0.9% faster than on
     # `triton`, on 16-token blocks no faster; smaller blocks share cached prefixes finer.
     preferred_block_size = 128
 
