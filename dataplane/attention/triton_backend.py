@@ -110,9 +110,13 @@ class TritonAttention:
             ctx.seq_lens[n:], scale, max_query_len=ctx.max_query_len, first_token=n)
 
 
+FA4_DTYPES = (torch.float16, torch.bfloat16)  # FA4 asserts on anything else (float32)
+
+
 class TritonFa4Attention(TritonAttention):
     """Our kernels, but FlashAttention-4's paged forward for the prompt rows of a step that
-    brings at least fa4_min_rows of them (after its leading one-token requests)."""
+    brings at least fa4_min_rows of them (after its leading one-token requests), in float16 or
+    bfloat16 (FA4's dtypes: a float32 model runs our prefill kernel throughout)."""
 
     name = "triton_fa4"
     # Any block size (FA4 reads 128-token pages by TMA, gathers others by cp.async); 128 by
@@ -132,7 +136,7 @@ class TritonFa4Attention(TritonAttention):
         """FA4 only where the step's host offsets exist (eager steps, and prompt steps between
         their graph pieces): it sizes its grid on the host."""
         starts, n = ctx.query_start_loc_host, num_decodes
-        if not starts or starts[-1] - n < self.fa4_min_rows:
+        if not starts or starts[-1] - n < self.fa4_min_rows or q.dtype not in FA4_DTYPES:
             return super()._prepare_prefill(q, k_cache, v_cache, out, ctx, scale, n)
         # the rows after the leading one-token requests start at row n: their offsets from 0
         return Fa4PagedPrefill(self.fa4_forward_into, ctx.query_start_loc[n:] - n,

@@ -178,7 +178,8 @@ def test_make_backend_names(device):
 def test_triton_fa4_routes_only_large_prompt_parts_to_fa4(device, gen):
     """The prompt rows after the leading decodes go to FA4 with offsets, lengths and block
     tables of their own (a stand-in for FA4 records them and writes the torch reference);
-    below fa4_min_rows our prefill kernel takes them."""
+    below fa4_min_rows our prefill kernel takes them, and in float32, which FA4 refuses (a
+    float32 model on triton_fa4 asserted in FA4 at its first step of 4,096 prompt rows)."""
     calls = []
 
     def forward_into(q, k_cache, v_cache, out, **kwargs):
@@ -195,15 +196,17 @@ def test_triton_fa4_routes_only_large_prompt_parts_to_fa4(device, gen):
                                                     kwargs["softmax_scale"])
 
     num_prompt_rows = sum(q for q, _ in DECODES_FIRST[3:])  # 184, after three decodes
-    for min_rows, used in [(num_prompt_rows, True), (num_prompt_rows + 1, False)]:
+    for dtype, min_rows, used in [(torch.float16, num_prompt_rows, True),
+                                  (torch.float16, num_prompt_rows + 1, False),
+                                  (torch.float32, num_prompt_rows, False)]:
         calls.clear()
         backend = TritonFa4Attention(forward_into, min_rows)
         assert (backend.name, backend.block_size) == ("triton_fa4", None)
-        compare_with_torch(backend, DECODES_FIRST, torch.float32, 128, device, gen)
+        compare_with_torch(backend, DECODES_FIRST, dtype, 128, device, gen)
         assert len(calls) == used
     ctx, _ = make_context(DECODES_FIRST, 128, device, gen)
     launch = TritonFa4Attention(forward_into, 0)._prepare_prefill(
-        torch.zeros(0), torch.zeros(1, 128), None, None, ctx, 0.5, 3)
+        torch.zeros(0, dtype=torch.bfloat16), torch.zeros(1, 128), None, None, ctx, 0.5, 3)
     assert isinstance(launch, Fa4PagedPrefill)
     assert launch.cu_seqlens_q.tolist() == [0, 37, 53, 54, 184]
     assert launch.seqused_k.tolist() == [37, 128, 6, 130]
