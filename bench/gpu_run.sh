@@ -49,7 +49,7 @@
 #                  bench-0.6b-tfa4: both modes on triton_fa4 (carry .fa4), on its 128-token blocks
 #                  (FA4's TMA pages); bench-0.6b-tfa4-bs16: on 16 (FA4's cp.async gather);
 #                  bench-8b-tfa4 likewise
-#   fa4-tests      the flash_attn and triton_fa4 backends' tests (carry .fa4)
+#   fa4-tests      the flash_attn and triton_fa4 backends' tests, float32 runner ones included (carry .fa4)
 #   bench-0.6b-si4 split with --stream-interval 4; bench-0.6b-fe0: gRPC in the engine's process;
 #                  bench-0.6b-spy: split with py-spy sampling the server's processes (carry
 #                  py-spy's wheel in .whl)
@@ -191,7 +191,7 @@ for stage in "$@"; do
     bench-0.6b-tfa4-bs16) timeout 200 python3 bench/throughput.py --model qwen3-0.6b \
              --attention-backend triton_fa4 --block-size 16 --out-dir "$OUT" 2>&1 | tail -20 ;;
     fa4-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
-             tests/dataplane/kernels/test_attention_backends.py \
+             tests/dataplane/kernels/test_attention_backends.py tests/dataplane/test_gpu_runner.py \
              tests/dataplane/kernels/test_model_backends.py -k "fa4 or flash_attn or make_backend" 2>&1 \
              | tee "$OUT/fa4-tests.log" | tail -25 ;;
     bench-0.6b-pd2) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --pipeline-depth 2 --out-dir "$OUT" 2>&1 | tail -20 ;;

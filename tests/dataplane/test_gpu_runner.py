@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from dataplane.attention.flash_attn_backend import fa4_forward_into
 from dataplane.checkpoints import write_default_model
 from dataplane.model_runner import ModelRunner, RunnerConfig
 from splitserve.llm import LLM
@@ -140,15 +141,20 @@ def test_steps_report_how_long_the_device_waited_for_them(checkpoints):
         assert 0 < result.timings.device_ms < after_pause.timings.device_idle_ms
 
 
-@pytest.mark.parametrize("name", ["untied", "moe"])
-def test_prompt_graphs_give_the_eager_logits(checkpoints, moe_checkpoints, name):
+@pytest.mark.parametrize("name,backend", [("untied", "auto"), ("moe", "auto"),
+                                          ("untied", "triton_fa4")])
+def test_prompt_graphs_give_the_eager_logits(checkpoints, moe_checkpoints, name, backend):
     """The piecewise graphs (the dense model and the MoE one, whose experts run inside the
-    pieces) against the same steps run eagerly, float32."""
+    pieces) against the same steps run eagerly, float32. And on triton_fa4, which must keep
+    float32 prompt rows from FA4 (it asserts on them), configure's 4,096-row step included."""
+    if backend == "triton_fa4" and fa4_forward_into() is None:
+        pytest.skip("triton_fa4 needs FlashAttention-4")
     path = {**checkpoints, **moe_checkpoints}[name]
     logits = {}
     for eager in (True, False):
         runner = ModelRunner.load(RunnerConfig(model_dir=path, device="cuda", dtype="float32",
-                                               num_kv_blocks=256, enforce_eager=eager))
+                                               num_kv_blocks=256, enforce_eager=eager,
+                                               attention_backend=backend))
         runner.configure(configure(max_num_seqs=16, max_model_len=512,
                                    max_num_batched_tokens=4096))
         assert (runner.mixed_graphs is None) == eager
