@@ -178,8 +178,8 @@ def test_make_backend_names(device):
 def test_triton_fa4_routes_only_large_prompt_parts_to_fa4(device, gen):
     """The prompt rows after the leading decodes go to FA4 with offsets, lengths and block
     tables of their own (a stand-in for FA4 records them and writes the torch reference);
-    below fa4_min_rows our prefill kernel takes them, and in float32, which FA4 refuses (a
-    float32 model on triton_fa4 asserted in FA4 at its first step of 4,096 prompt rows)."""
+    below fa4_min_rows our prefill kernel takes them, and in float32, which FA4 asserts on (a
+    float32 model on triton_fa4 would fail at its first step of 4,096 prompt rows)."""
     calls = []
 
     def forward_into(q, k_cache, v_cache, out, **kwargs):
