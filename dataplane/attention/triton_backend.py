@@ -111,12 +111,20 @@ class TritonAttention:
 
 
 FA4_DTYPES = (torch.float16, torch.bfloat16)  # FA4 asserts on anything else (float32)
+# FA4 compiles another kernel for a launch whose longest query, times the query heads per KV
+# head, fits one tile of rows (its static persistent schedule: at most q_stage x tile_m rows,
+# 128 on Hopper at head_dim 128, up to 256 with other tiles and chips; interface.py of
+# flash-attn-4 4.0.0b36). Configure's warm-up meets only the other, and a compile inside a
+# served step holds the GIL for seconds (the link stops heartbeating, as seen at configure on
+# an H100). Such steps, thousands of rows of short prompts, go to our prefill kernel.
+FA4_MAX_ONE_TILE_ROWS = 256
 
 
 class TritonFa4Attention(TritonAttention):
     """Our kernels, but FlashAttention-4's paged forward for the prompt rows of a step that
     brings at least fa4_min_rows of them (after its leading one-token requests), in float16 or
-    bfloat16 (FA4's dtypes: a float32 model runs our prefill kernel throughout)."""
+    bfloat16 (FA4's dtypes: a float32 model runs our prefill kernel throughout), unless every
+    prompt part of the step is short (FA4_MAX_ONE_TILE_ROWS)."""
 
     name = "triton_fa4"
     # Any block size (FA4 reads 128-token pages by TMA, gathers others by cp.async); 128 by
@@ -135,10 +143,19 @@ class TritonFa4Attention(TritonAttention):
                          num_decodes: int) -> PagedLaunch | Fa4PagedPrefill:
         """FA4 only where the step's host offsets exist (eager steps, and prompt steps between
         their graph pieces): it sizes its grid on the host."""
-        starts, n = ctx.query_start_loc_host, num_decodes
-        if not starts or starts[-1] - n < self.fa4_min_rows or q.dtype not in FA4_DTYPES:
+        n = num_decodes
+        if not self._fa4_takes(q, k_cache, ctx, n):
             return super()._prepare_prefill(q, k_cache, v_cache, out, ctx, scale, n)
         # the rows after the leading one-token requests start at row n: their offsets from 0
         return Fa4PagedPrefill(self.fa4_forward_into, ctx.query_start_loc[n:] - n,
                                ctx.seq_lens[n:], ctx.block_tables[n:], ctx.max_query_len,
                                ctx.max_seq_len, scale)
+
+    def _fa4_takes(self, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext,
+                   num_decodes: int) -> bool:
+        """q: the rows after the leading num_decodes; k_cache: [blocks, block_size, kv_heads,
+        head_dim]."""
+        starts = ctx.query_start_loc_host
+        if not starts or starts[-1] - num_decodes < self.fa4_min_rows or q.dtype not in FA4_DTYPES:
+            return False
+        return ctx.max_query_len * (q.shape[1] // k_cache.shape[2]) > FA4_MAX_ONE_TILE_ROWS

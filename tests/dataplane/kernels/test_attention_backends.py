@@ -179,7 +179,9 @@ def test_triton_fa4_routes_only_large_prompt_parts_to_fa4(device, gen):
     """The prompt rows after the leading decodes go to FA4 with offsets, lengths and block
     tables of their own (a stand-in for FA4 records them and writes the torch reference);
     below fa4_min_rows our prefill kernel takes them, and in float32, which FA4 asserts on (a
-    float32 model on triton_fa4 would fail at its first step of 4,096 prompt rows)."""
+    float32 model on triton_fa4 would fail at its first step of 4,096 prompt rows), and where
+    every prompt fits one FA4 tile of rows (128 queries x 2 heads a KV head: FA4 would compile
+    a kernel configure did not)."""
     calls = []
 
     def forward_into(q, k_cache, v_cache, out, **kwargs):
@@ -196,17 +198,20 @@ def test_triton_fa4_routes_only_large_prompt_parts_to_fa4(device, gen):
                                                     kwargs["softmax_scale"])
 
     num_prompt_rows = sum(q for q, _ in DECODES_FIRST[3:])  # 184, after three decodes
-    for dtype, min_rows, used in [(torch.float16, num_prompt_rows, True),
-                                  (torch.float16, num_prompt_rows + 1, False),
-                                  (torch.float32, num_prompt_rows, False)]:
+    short = DECODES_FIRST[:-1] + [(128, 0)]  # the longest prompt 128 tokens, not 130
+    for lens, dtype, min_rows, used in [(DECODES_FIRST, torch.float16, num_prompt_rows, True),
+                                        (DECODES_FIRST, torch.float16, num_prompt_rows + 1, False),
+                                        (DECODES_FIRST, torch.float32, num_prompt_rows, False),
+                                        (short, torch.float16, 0, False)]:
         calls.clear()
         backend = TritonFa4Attention(forward_into, min_rows)
         assert (backend.name, backend.block_size) == ("triton_fa4", None)
-        compare_with_torch(backend, DECODES_FIRST, dtype, 128, device, gen)
+        compare_with_torch(backend, lens, dtype, 128, device, gen)  # 16 heads, 8 KV heads
         assert len(calls) == used
     ctx, _ = make_context(DECODES_FIRST, 128, device, gen)
     launch = TritonFa4Attention(forward_into, 0)._prepare_prefill(
-        torch.zeros(0, dtype=torch.bfloat16), torch.zeros(1, 128), None, None, ctx, 0.5, 3)
+        torch.zeros(0, 16, 128, dtype=torch.bfloat16), torch.zeros(1, 128, 8, 128), None, None,
+        ctx, 0.5, 3)
     assert isinstance(launch, Fa4PagedPrefill)
     assert launch.cu_seqlens_q.tolist() == [0, 37, 53, 54, 184]
     assert launch.seqused_k.tolist() == [37, 128, 6, 130]

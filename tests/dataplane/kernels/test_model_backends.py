@@ -75,8 +75,9 @@ def backends_and_devices() -> list:
 
 
 def count_fa4_calls(monkeypatch, calls: list) -> None:
-    """triton_fa4 with every step's prompt rows through FA4 (these steps bring 9-136 of them),
-    each call noted in `calls`; skips without FA4."""
+    """triton_fa4 with every step's prompt rows through FA4 (these steps bring 9-136 of them,
+    short prompts it leaves to our kernel when serving), each call noted in `calls`; skips
+    without FA4."""
     from dataplane.attention import flash_attn_backend
     forward_into = flash_attn_backend.fa4_forward_into()
     if forward_into is None:
@@ -84,6 +85,7 @@ def count_fa4_calls(monkeypatch, calls: list) -> None:
     monkeypatch.setattr(flash_attn_backend, "fa4_forward_into",
                         lambda: counted(forward_into, calls))
     monkeypatch.setattr("dataplane.attention.base.FA4_MIN_PREFILL_ROWS", 0)
+    monkeypatch.setattr("dataplane.attention.triton_backend.FA4_MAX_ONE_TILE_ROWS", 0)
 
 
 @pytest.mark.parametrize("backend,device,dtype,block_size", backends_and_devices())
