@@ -145,8 +145,8 @@ class _IOLoop:
             self._send(link_pb2.LinkMessage(epoch=self.epoch, heartbeat=link_pb2.Heartbeat()))
 
     def _unread(self) -> bool:
-        """Messages wait: this thread was kept off the GIL (a kernel compile), the control plane
-        was not silent. Read them before judging its silence."""
+        """Messages wait unread: judge the control plane's silence once they are read (they
+        queue while this thread is kept off the GIL, by a kernel compile say)."""
         return bool(self.dealer.get(zmq.EVENTS) & zmq.POLLIN)
 
     def _send(self, message: link_pb2.LinkMessage) -> None:

@@ -120,7 +120,8 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                    choices=("auto", "torch", "triton", "triton_fa4", "flash_attn"), default="auto",
                    help="auto: torch on CPU, triton on CUDA; triton_fa4: triton with "
                         "FlashAttention-4 for steps of 4096 or more prompt tokens in "
-                        "fp16/bf16, not all of them short prompts, on "
+                        "fp16/bf16 unless the longest prompt x query heads per KV head <= "
+                        "256, on "
                         "128-token blocks unless --block-size names another (FA4 gathers "
                         "those, 5-12%% slower) (default %(default)s)")
 

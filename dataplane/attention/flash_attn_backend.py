@@ -10,7 +10,9 @@ Block sizes (exposed as `block_size`; the data plane must allocate the cache wit
 - FA 2.x needs pages that are multiples of 256 tokens for `block_table`.
 """
 
+import getpass
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -106,12 +108,24 @@ def fa4_forward_into() -> Callable | None:
 
 def _keep_fa4_kernels_on_disk() -> None:
     """FA4's own cache of compiled kernels on disk (FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, else
-    /tmp/$USER/flash_attention_cute_dsl_cache), on unless the environment turns it off: a data
-    plane restarted on the same host (after a crash, say) loads the kernels instead of compiling
-    them again. On an H100, a 0.6B triton_fa4 data plane with Triton's cache warm configured in
-    15 s without it, 2.7 s with it (bench/results/h100/serve-*-triton-fa4-{65c5784,0d29efd}-*).
-    Read when flash_attn.cute is first imported."""
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    <temp dir>/<user name>/flash_attention_cute_dsl_cache), on unless the environment says
+    otherwise: a data plane restarted on the same host (after a crash, say) loads the kernels
+    instead of compiling them again. On an H100, a 0.6B triton_fa4 data plane with Triton's
+    cache warm configured in 15 s without it, 2.7 s with it
+    (bench/results/h100/serve-*-triton-fa4-{65c5784,0d29efd}-*). FA4 reads the setting when
+    flash_attn.cute is first imported and then creates the default directory, which needs a user
+    name (a container's arbitrary uid may have none) and a writable temp dir: without either,
+    the cache stays off rather than failing the import."""
+    if "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED" in os.environ:
+        return
+    if "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR" not in os.environ:
+        try:
+            getpass.getuser()
+        except (KeyError, OSError):
+            return
+        if not os.access(tempfile.gettempdir(), os.W_OK):
+            return
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

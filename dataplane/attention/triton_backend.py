@@ -9,8 +9,9 @@ capturable: its tile list (`plan_decode`) is built on the device, its sizes depe
 batch size and the block-table width, and nothing is read back on the host.
 
 TritonFa4Attention (the triton_fa4 backend) is this one with FlashAttention-4's paged forward for
-the prompt rows of steps that bring at least `fa4_min_rows` of them. On Hopper FA4 loads the
-keys of 128-token blocks through TMA and gathers those of other block sizes with cp.async.
+the prompt rows of steps that bring at least `fa4_min_rows` of them, in float16 or bfloat16,
+unless every prompt of the step is short (FA4_MAX_ONE_TILE_ROWS). On Hopper FA4 loads the keys
+of 128-token blocks through TMA and gathers those of other block sizes with cp.async.
 """
 
 from collections.abc import Callable

@@ -1,0 +1,69 @@
+"""Rank 0's link thread judging the control plane's silence (dataplane/link.py's _IOLoop),
+driven by hand over inproc sockets: heartbeats that queued while the thread was kept off the
+GIL are not silence; nothing queued is."""
+
+import time
+
+import pytest
+import zmq
+
+from common import framing
+from common.transport import LinkConfig
+from dataplane.link import LOST, ControlPlaneLink, _IOLoop
+from protos import link_pb2
+
+EPOCH = 7
+
+
+@pytest.fixture
+def loop():
+    """An _IOLoop configured in EPOCH, its DEALER facing a ROUTER (the control plane), and the
+    main thread's end of its relay; its thread is never started."""
+    ctx = zmq.Context.instance()
+    link = ControlPlaneLink("inproc://unused", link_pb2.Hello(instance_id="dp"), LinkConfig())
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("inproc://control-plane")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.ROUTING_ID, b"dp")
+    dealer.connect("inproc://control-plane")
+    pair = ctx.socket(zmq.PAIR)
+    pair.connect(link._inproc)
+    io = _IOLoop(link, dealer, pair)
+    io.epoch = EPOCH
+    yield io, router, link
+    for sock in (router, dealer, pair):
+        sock.close(linger=0)
+    link._main.close(linger=0)
+
+
+def relayed(link: ControlPlaneLink) -> list[bytes]:
+    kinds = []
+    while link._main.poll(50):
+        kinds.append(link._main.recv_multipart()[0])
+    return kinds
+
+
+def heartbeat(router: zmq.Socket, seq: int) -> None:
+    router.send_multipart([b"dp", *framing.encode(link_pb2.LinkMessage(
+        seq=seq, epoch=EPOCH, heartbeat=link_pb2.Heartbeat()))])
+
+
+def test_heartbeats_queued_during_a_stall_are_not_silence(loop):
+    io, router, link = loop
+    heartbeat(router, 1)
+    assert io.dealer.poll(1000)  # queued, unread: the thread was busy elsewhere
+    now = time.monotonic()
+    io.last_heard = now - 10 * link.config.heartbeat_timeout_s
+    io._tick(now)
+    assert relayed(link) == [] and io.lost_since is None
+    io._on_frames(io.dealer.recv_multipart())  # read at last: heard just now
+    io._tick(time.monotonic())
+    assert relayed(link) == [] and io.lost_since is None
+
+
+def test_silence_with_nothing_queued_is_lost(loop):
+    io, router, link = loop
+    now = time.monotonic()
+    io.last_heard = now - 10 * link.config.heartbeat_timeout_s
+    io._tick(now)
+    assert relayed(link) == [LOST] and io.lost_since == now
