@@ -26,7 +26,7 @@ RUN /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check "/src[d
 FROM runtime
 RUN useradd --no-log-init --uid 10001 --user-group --no-create-home --home-dir /tmp \
         --shell /usr/sbin/nologin splitserve \
- && mkdir /models && chown 10001:10001 /models
+ && mkdir -p /models /var/cache/splitserve && chown 10001:10001 /models /var/cache/splitserve
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH HOME=/tmp PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1

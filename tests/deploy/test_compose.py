@@ -34,7 +34,10 @@ def test_services_are_hardened(profile):
         assert "no-new-privileges:true" in svc["security_opt"], name
         assert "/tmp" in svc["tmpfs"], name
         if name != "model-init":  # the one writer: it fills the demo model's volume
-            assert all(v["read_only"] for v in svc["volumes"]), f"{name} mounts weights rw"
+            assert all(v["read_only"] for v in svc["volumes"] if v["target"] == "/models"), \
+                f"{name} mounts weights rw"
+            assert {v["target"] for v in svc["volumes"] if not v.get("read_only")} <= \
+                {"/var/cache/splitserve"}, f"{name} writes where it should not"
         if name in LONG_RUNNING:
             assert svc["restart"] == "unless-stopped", name
             assert svc["healthcheck"]["test"][:3] == ["CMD", "splitserve", "health"], name
@@ -54,6 +57,21 @@ def test_only_grpc_is_published_and_only_on_loopback(profile):
         [("controlplane", 50051, "127.0.0.1")]
     assert config["networks"]["link"]["internal"] is True
     assert "5555" in config["services"]["controlplane"]["expose"]
+
+
+@pytest.mark.timeout(120)
+def test_gpu_dataplane_keeps_its_compiled_kernels_across_restarts():
+    """/tmp is a tmpfs a restart empties: Triton's and FA4's caches live on a named volume, whose
+    mount point the image creates for its user (a new volume takes that owner)."""
+    config = compose_config("gpu")
+    dataplane = config["services"]["dataplane-gpu"]
+    [cache] = [v for v in dataplane["volumes"] if v["target"] == "/var/cache/splitserve"]
+    assert cache["type"] == "volume" and cache["source"] in config["volumes"]
+    env = dataplane["environment"]
+    for name in ("TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        assert env[name].startswith("/var/cache/splitserve/"), name
+    dockerfile = (ROOT / "docker" / "dataplane.Dockerfile").read_text()
+    assert "chown 10001:10001 /models /var/cache/splitserve" in dockerfile
 
 
 @pytest.mark.timeout(120)
