@@ -102,5 +102,12 @@ def _best_gpu_backend() -> str:
     blocks, 21,593-21,607 in two, the gain was in the decode steps (18-28 ms less a run); the
     prompt steps were faster on 16-token blocks (35.1-35.3 ms against 35.7-35.8; triton's
     36.3-36.7). So triton_fa4 takes 128-token blocks unless told otherwise.
+
+    At 65c5784 (bench/results/h100/*-65c5784-r*, one H100, in-process device time against
+    triton on 16-token blocks): triton_fa4 ~25 ms less a run (~0.4%), triton on 128-token
+    blocks ~9 ms (~0.15%), on 64 nothing. A data plane on triton_fa4 loaded ~3.5 s slower there
+    and configured ~11 s slower while FA4 compiled (2.7 s in all once FA4's disk cache held its
+    kernels, 0d29efd). As auto (b5ed488) it failed three float32 GPU tests before 52fbd1c; it
+    waits for a GPU run of fa4-tests and smoke.
     """
     return "triton"

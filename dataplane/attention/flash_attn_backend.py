@@ -66,6 +66,24 @@ class FlashAttention2:
             causal=True, block_table=ctx.block_tables))
 
 
+FA4_DTYPES = (torch.float16, torch.bfloat16)  # FA4 asserts on anything else (float32)
+# FA4 compiles another kernel for a launch whose longest query, times the query heads per KV
+# head, fits one tile of rows (its static persistent schedule: at most q_stage x tile_m rows,
+# 128 on Hopper at head_dim 128, up to 256 with other tiles and chips; interface.py of
+# flash-attn-4 4.0.0b36). Configure's warm-up meets only the other, and a compile inside a
+# served step holds the GIL for seconds (the link stops heartbeating, as seen at configure on
+# an H100).
+FA4_MAX_ONE_TILE_ROWS = 256
+
+
+def fa4_paged_prefill_fits(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int) -> bool:
+    """Whether FA4 takes these prompt rows with the kernel configure compiled: half precision,
+    and a longest query past one of its row tiles (steps of only short prompts would compile
+    another). q: [rows, heads, head_dim]; k_cache: [blocks, block_size, kv_heads, head_dim]."""
+    return q.dtype in FA4_DTYPES and \
+        max_query_len * (q.shape[1] // k_cache.shape[2]) > FA4_MAX_ONE_TILE_ROWS
+
+
 @dataclass(frozen=True)
 class Fa4PagedPrefill:
     """FA4's paged varlen forward over a step's prompt rows, prepared once a forward and run by

@@ -10,7 +10,7 @@ batch size and the block-table width, and nothing is read back on the host.
 
 TritonFa4Attention (the triton_fa4 backend) is this one with FlashAttention-4's paged forward for
 the prompt rows of steps that bring at least `fa4_min_rows` of them, in float16 or bfloat16,
-unless every prompt of the step is short (FA4_MAX_ONE_TILE_ROWS). On Hopper FA4 loads the keys
+unless every prompt of the step is short (fa4_paged_prefill_fits). On Hopper FA4 loads the keys
 of 128-token blocks through TMA and gathers those of other block sizes with cp.async.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.attention.flash_attn_backend import Fa4PagedPrefill
+from dataplane.attention.flash_attn_backend import Fa4PagedPrefill, fa4_paged_prefill_fits
 from dataplane.forward_context import ForwardContext
 from dataplane.kernels.paged_decode_attention import plan_decode, prepare_decode_attention
 from dataplane.kernels.paged_inputs import PagedLaunch
@@ -111,21 +111,11 @@ class TritonAttention:
             ctx.seq_lens[n:], scale, max_query_len=ctx.max_query_len, first_token=n)
 
 
-FA4_DTYPES = (torch.float16, torch.bfloat16)  # FA4 asserts on anything else (float32)
-# FA4 compiles another kernel for a launch whose longest query, times the query heads per KV
-# head, fits one tile of rows (its static persistent schedule: at most q_stage x tile_m rows,
-# 128 on Hopper at head_dim 128, up to 256 with other tiles and chips; interface.py of
-# flash-attn-4 4.0.0b36). Configure's warm-up meets only the other, and a compile inside a
-# served step holds the GIL for seconds (the link stops heartbeating, as seen at configure on
-# an H100). Such steps, thousands of rows of short prompts, go to our prefill kernel.
-FA4_MAX_ONE_TILE_ROWS = 256
-
-
 class TritonFa4Attention(TritonAttention):
     """Our kernels, but FlashAttention-4's paged forward for the prompt rows of a step that
     brings at least fa4_min_rows of them (after its leading one-token requests), in float16 or
     bfloat16 (FA4's dtypes: a float32 model runs our prefill kernel throughout), unless every
-    prompt part of the step is short (FA4_MAX_ONE_TILE_ROWS)."""
+    prompt part of the step is short (flash_attn_backend.fa4_paged_prefill_fits)."""
 
     name = "triton_fa4"
     # Any block size (FA4 reads 128-token pages by TMA, gathers others by cp.async); 128 by
@@ -154,9 +144,7 @@ class TritonFa4Attention(TritonAttention):
 
     def _fa4_takes(self, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext,
                    num_decodes: int) -> bool:
-        """q: the rows after the leading num_decodes; k_cache: [blocks, block_size, kv_heads,
-        head_dim]."""
+        """q: the rows after the leading num_decodes."""
         starts = ctx.query_start_loc_host
-        if not starts or starts[-1] - num_decodes < self.fa4_min_rows or q.dtype not in FA4_DTYPES:
-            return False
-        return ctx.max_query_len * (q.shape[1] // k_cache.shape[2]) > FA4_MAX_ONE_TILE_ROWS
+        return bool(starts) and starts[-1] - num_decodes >= self.fa4_min_rows and \
+            fa4_paged_prefill_fits(q, k_cache, ctx.max_query_len)

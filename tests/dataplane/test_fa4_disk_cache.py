@@ -2,6 +2,7 @@
 where FA4 could not create its default directory (no user name, no writable temp dir)."""
 
 import getpass
+import os
 
 import pytest
 
@@ -23,27 +24,27 @@ def no_user_name():
     raise KeyError("getpwuid(): uid not found: 1000660000")
 
 
-def test_on_by_default(monkeypatch):
+def test_on_by_default():
     flash_attn_backend._keep_fa4_kernels_on_disk()
-    assert flash_attn_backend.os.environ[ENABLED] == "1"
+    assert os.environ[ENABLED] == "1"
 
 
 def test_the_environment_turns_it_off(monkeypatch):
     monkeypatch.setenv(ENABLED, "0")
     flash_attn_backend._keep_fa4_kernels_on_disk()
-    assert flash_attn_backend.os.environ[ENABLED] == "0"
+    assert os.environ[ENABLED] == "0"
 
 
 def test_off_for_a_uid_without_a_name_unless_a_directory_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(getpass, "getuser", no_user_name)
     flash_attn_backend._keep_fa4_kernels_on_disk()
-    assert ENABLED not in flash_attn_backend.os.environ
+    assert ENABLED not in os.environ
     monkeypatch.setenv(DIR, str(tmp_path))
     flash_attn_backend._keep_fa4_kernels_on_disk()
-    assert flash_attn_backend.os.environ[ENABLED] == "1"
+    assert os.environ[ENABLED] == "1"
 
 
 def test_off_without_a_writable_temp_dir(monkeypatch, tmp_path):
     monkeypatch.setattr(flash_attn_backend.tempfile, "gettempdir", lambda: str(tmp_path / "no"))
     flash_attn_backend._keep_fa4_kernels_on_disk()
-    assert ENABLED not in flash_attn_backend.os.environ
+    assert ENABLED not in os.environ

@@ -85,7 +85,7 @@ def count_fa4_calls(monkeypatch, calls: list) -> None:
     monkeypatch.setattr(flash_attn_backend, "fa4_forward_into",
                         lambda: counted(forward_into, calls))
     monkeypatch.setattr("dataplane.attention.base.FA4_MIN_PREFILL_ROWS", 0)
-    monkeypatch.setattr("dataplane.attention.triton_backend.FA4_MAX_ONE_TILE_ROWS", 0)
+    monkeypatch.setattr("dataplane.attention.flash_attn_backend.FA4_MAX_ONE_TILE_ROWS", 0)
 
 
 @pytest.mark.parametrize("backend,device,dtype,block_size", backends_and_devices())
