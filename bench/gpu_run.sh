@@ -102,7 +102,7 @@ for stage in "$@"; do
     tp2-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short -k tp2 tests/dataplane/test_gpu_runner.py > "$OUT/tp2-tests.log" 2>&1
            grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/tp2-tests.log" | tail -20 ;;
-    smoke) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
+    smoke) timeout ${SMOKE_TIMEOUT:-300} python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
              --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
              tests/dataplane/kernels/test_attention_backends.py \
              tests/dataplane/kernels/test_categorical_sample.py -k "not fa4 and not flash_attn" \
