@@ -146,13 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add_command in (_add_serve_command, _add_controlplane_command, _add_dataplane_command,
+                        _add_frontend_command, _add_generate_command, _add_tool_commands,
+                        _add_health_command):
+        add_command(sub)
+    return parser
 
+
+def _add_serve_command(sub: argparse._SubParsersAction) -> None:
+    """Both planes from one command."""
     serve = sub.add_parser("serve", help="control plane + local data plane, one command")
     _add_model(serve, required=False)
     _add_api(serve)
     _add_dataplane(serve)
     _add_logging(serve)
 
+
+def _add_controlplane_command(sub: argparse._SubParsersAction) -> None:
+    """The control plane alone, binding the link for data planes."""
     cp = sub.add_parser("controlplane", help="the control plane alone")
     _add_model(cp, required=True)
     cp.add_argument("--dataplane-address", required=True,
@@ -164,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_api(cp)
     _add_logging(cp)
 
+
+def _add_dataplane_command(sub: argparse._SubParsersAction) -> None:
+    """The data plane alone, connecting to a control plane."""
     dp = sub.add_parser("dataplane", help="the data plane alone")
     _add_model(dp, required=True)
     dp.add_argument("--controlplane-address", required=True,
@@ -186,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_supervised(dp)
     _add_logging(dp)
 
+
+def _add_frontend_command(sub: argparse._SubParsersAction) -> None:
+    """A gRPC front-end process, spawned by the control plane."""
     fe = sub.add_parser("frontend", help="(internal) a gRPC front-end of a control plane")
     fe.add_argument("--engine-address", required=True, help="the engine process's ipc:// socket")
     fe.add_argument("--host", default="127.0.0.1")
@@ -195,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_supervised(fe)
     _add_logging(fe)
 
+
+def _add_generate_command(sub: argparse._SubParsersAction) -> None:
+    """The gRPC client: stream one completion."""
     gen = sub.add_parser("generate", help="stream a completion from a running server",
                          description="Stream a completion to stdout; usage goes to stderr. "
                                      "Unset sampling flags take the server's defaults.")
@@ -219,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="wait up to this long for the server to be SERVING first")
 
+
+def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
+    """One-shot helpers: CURVE keys and the demo model."""
     keys = sub.add_parser("link-keys", help="write CURVE key pairs for the link to DIR")
     keys.add_argument("dir", type=pathlib.Path)
 
@@ -227,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("dir", type=pathlib.Path, nargs="?", default=None,
                       help="(default: the cache, ~/.cache/splitserve or $SPLITSERVE_CACHE)")
 
+
+def _add_health_command(sub: argparse._SubParsersAction) -> None:
+    """The probe for container healthchecks."""
     health = sub.add_parser(
         "health", help="exit 0 when the server is SERVING (or a liveness file is fresh)",
         description="Probe for healthchecks. Over gRPC: exit 0 when the service is SERVING; the "
@@ -240,4 +266,3 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--file", type=pathlib.Path, default=None,
                         help="a data plane's --liveness-file instead of a gRPC check")
     health.add_argument("--max-age", type=float, default=30.0, help="seconds (with --file)")
-    return parser
