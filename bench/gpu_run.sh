@@ -41,7 +41,9 @@
 #   gemm           the linear layers at 8-256 rows under CUDA graphs, cuBLAS and cuBLASLt
 #   ab             bench/ab.py: workload A in-process, this tree's files against the versions in
 #                  the directories AB names ("ab_old" or "ab_old ab_c"), alternating, ~30 s a run
-#   bench-0.6b     workload A, both modes (~50 s); bench-8b (~70 s), bench-30b likewise;
+#   bench-0.6b     workload A, both modes (~50 s), on auto's backend (triton_fa4 where .fa4 is
+#                  carried on Hopper, else triton); bench-8b (~70 s), bench-30b likewise;
+#                  bench-0.6b-triton: both modes on triton whatever is installed;
 #                  bench-0.6b-nopdl: both modes without programmatic dependent launch;
 #                  bench-0.6b-pd2: both modes with two steps in flight (--pipeline-depth 2);
 #                  bench-0.6b-fa4: in-process with the flash_attn backend (carry .fa4);
@@ -186,6 +188,8 @@ for stage in "$@"; do
     bench-0.6b-nopdl) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --no-pdl --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-bs*) timeout 150 python3 bench/throughput.py --model qwen3-0.6b \
              --block-size "${stage#bench-0.6b-bs}" --out-dir "$OUT" 2>&1 | tail -20 ;;
+    bench-0.6b-triton) timeout 150 python3 bench/throughput.py --model qwen3-0.6b \
+             --attention-backend triton --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-tfa4) timeout 200 python3 bench/throughput.py --model qwen3-0.6b \
              --attention-backend triton_fa4 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-tfa4-bs16) timeout 200 python3 bench/throughput.py --model qwen3-0.6b \

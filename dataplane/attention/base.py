@@ -80,34 +80,31 @@ def make_backend(name: str, device: str) -> AttentionBackend:
 
 
 def _best_gpu_backend() -> str:
-    """Our Triton kernels: always installed, any block size, a decode kernel that spreads any
-    batch's tiles evenly over the GPU, CUDA-graph capturable without warm-up compiles per shape.
-    FlashAttention-4 has no split-KV on Hopper, forces 128-token blocks and takes ~10 s to
-    import; it stays opt-in (`flash_attn`). Measured on an H200, workload A in-process
-    (bench/results/h200/qwen3-0.6b-inprocess-tp1{,-flash-attn}-f25a5ea.json): 27,079 tok/s on
-    ours, 21,380 on FA4 (decode steps of 256 rows 5.9 against 8.5 ms, prompt steps 34.9 against
-    37.7 ms).
+    """triton_fa4 on Hopper where FlashAttention-4 imports, else triton.
 
-    triton_fa4 (our decode kernel, FA4's prefill) was faster on workload A on H100s: by 0.4-0.6%
-    at 67f28ae, by 0.6% and 1.0% split and 0.05% and 0.8% in-process at 99d124e
-    (bench/results/h100/*-67f28ae*, *-99d124e*): its prompt steps 36.1-36.2 ms against
-    36.6-36.8, its decode steps 0.02-0.04 ms faster at 128-256 rows on 128-token blocks. Our
-    triton backend on 128-token blocks gained 0.25% at 67f28ae and lost 0.3-0.8% at 99d124e.
-    It stays opt-in: it needs FA4 installed (~10 s to import at start-up, through a function
-    private to flash-attn-4), and its gain comes with 128-token blocks, which share cached
-    prefixes only in whole blocks. It runs on any block size (FA4 gathers the keys of other
-    sizes with cp.async, 5-12% slower than its TMA path on 128), but at cfc0eb7 on an H100
-    (bench/results/h100/*-cfc0eb7*) 16-token blocks gave nothing on workload A: split
-    21,487-21,561 tok/s in three runs against triton's 21,491-21,528 in four. On 128-token
-    blocks, 21,593-21,607 in two, the gain was in the decode steps (18-28 ms less a run); the
-    prompt steps were faster on 16-token blocks (35.1-35.3 ms against 35.7-35.8; triton's
-    36.3-36.7). So triton_fa4 takes 128-token blocks unless told otherwise.
+    Our Triton kernels run everywhere: always installed, any block size, a decode kernel that
+    spreads any batch's tiles evenly over the GPU, CUDA-graph capturable without warm-up
+    compiles per shape. FA4 as the whole backend (`flash_attn`) lost: it has no split-KV on
+    Hopper and forces 128-token blocks. On an H200, workload A in-process
+    (bench/results/h200/qwen3-0.6b-inprocess-tp1{,-flash-attn}-f25a5ea.json) ran 27,079 tok/s
+    on ours, 21,380 on FA4 (decode steps of 256 rows 5.9 against 8.5 ms).
 
-    At 65c5784 (bench/results/h100/*-65c5784-r*, one H100, in-process device time against
-    triton on 16-token blocks): triton_fa4 ~25 ms less a run (~0.4%), triton on 128-token
-    blocks ~9 ms (~0.15%), on 64 nothing. A data plane on triton_fa4 loaded ~3.5 s slower there
-    and configured ~11 s slower while FA4 compiled (2.7 s in all once FA4's disk cache held its
-    kernels, 0d29efd). As auto (b5ed488) it failed three float32 GPU tests before 52fbd1c; it
-    waits for a GPU run of fa4-tests and smoke.
-    """
+    triton_fa4 keeps our decode kernel and hands FA4 the prompt rows of large steps, where its
+    prefill is faster (0.6B heads on an H100, bench/results/h100/prefill_fa4-cfc0eb7.json: a
+    16k-token workload-A step 0.164 against 0.206 ms a layer). On its 128-token blocks workload
+    A ran faster than on triton on H100s in every session that compared them, by 0.3-1.0%
+    split (bench/results/h100/*-{67f28ae,99d124e,cfc0eb7,3b16a97,65c5784}*); as auto at
+    84f8284 by 0.6% and 1.0% split, with 37-77 ms less device time a run in-process
+    (bench/results/h100/*-84f8284-*). On 16-token blocks it gained nothing (cfc0eb7), and our
+    triton on 128-token blocks only ~0.15% (65c5784), so triton keeps 16.
+
+    What it costs: importing FA4 at start-up (~3.5 s), compiling its kernels the first time
+    (~12-30 s; later starts load them from FA4's disk cache: configure took 3.6 s against
+    triton's 3.2 at 84f8284), 128-token blocks unless `--block-size` names another (cached
+    prefixes are shared in whole blocks), and a function private to flash-attn-4 (the backend
+    tests check it against the torch reference). The GPU tests pass under it (fa4-tests and
+    smoke at 84f8284). Only Hopper was measured, so other GPUs keep triton."""
+    from dataplane.attention.flash_attn_backend import fa4_forward_into
+    if torch.cuda.get_device_capability()[0] == 9 and fa4_forward_into() is not None:
+        return "triton_fa4"
     return "triton"

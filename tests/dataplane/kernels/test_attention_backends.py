@@ -173,6 +173,9 @@ def test_make_backend_names(device):
             make_backend("triton_fa4", device.type)
     else:
         assert make_backend("triton_fa4", device.type).block_size is None
+    if device.type == "cuda":  # FA4's prefill where it imports on Hopper, the only GPUs measured
+        hopper_fa4 = torch.cuda.get_device_capability()[0] == 9 and fa4_forward_into() is not None
+        assert make_backend("auto", "cuda").name == ("triton_fa4" if hopper_fa4 else "triton")
 
 
 def test_triton_fa4_routes_only_large_prompt_parts_to_fa4(device, gen):
