@@ -318,6 +318,7 @@ def run_split(model_dir, prompts, outputs, args) -> dict:
             info = client.model_info()
     return {"seconds": seconds, **figures(before, after, done), "tp": info.tp_size,
             "num_kv_blocks": after.kv_blocks_total, "block_size": info.block_size,
+            "attention_backend": info.attention_backend,
             **({"py_spy": spy_summary(args.spy)} if args.spy else {})}
 
 

@@ -163,7 +163,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.ModelInfo(
             model_name=self.model.name, max_model_len=self.max_model_len,
             vocab_size=self.model.vocab_size, block_size=info.block_size if info else 0,
-            tp_size=info.tp_size if info else 0, dtype=info.dtype if info else "")
+            tp_size=info.tp_size if info else 0, dtype=info.dtype if info else "",
+            attention_backend=info.attention_backend if info else "")
 
     async def GetLoad(self, request, context) -> generation_pb2.Load:
         running, waiting, used, total = self.engine.load()

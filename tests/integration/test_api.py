@@ -240,8 +240,8 @@ def test_abort_rpc_ends_the_stream_and_is_idempotent(server):
 
 def test_small_rpcs(server):
     info = server.client.model_info()
-    assert (info.max_model_len, info.vocab_size, info.block_size, info.tp_size, info.dtype) == \
-        (MAX_MODEL_LEN, VOCAB, 4, 1, "float32")
+    assert (info.max_model_len, info.vocab_size, info.block_size, info.tp_size, info.dtype,
+            info.attention_backend) == (MAX_MODEL_LEN, VOCAB, 4, 1, "float32", "torch")
     ids = server.client.tokenize("hello world")
     assert ids and server.client.detokenize(ids) == "hello world"
     with pytest.raises(grpc.RpcError) as error:
