@@ -5,6 +5,9 @@
 #
 #   docker build -f docker/dataplane.Dockerfile -t splitserve-dataplane:0.1.0 .
 #
+# --build-arg EXTRAS=dataplane,fa4 adds FlashAttention-4, which --attention-backend auto then
+# picks on Hopper GPUs (triton_fa4: README).
+#
 # No model weights are downloaded at build time: checkpoints are mounted at run time.
 FROM nvidia/cuda:13.0.1-base-ubuntu24.04@sha256:f8ef28f579ea42a44b415d2c5d46f788e6a9b395c6c83f2929416e1fc192c143 AS runtime
 ENV DEBIAN_FRONTEND=noninteractive
@@ -17,10 +20,11 @@ RUN apt-get update \
 
 FROM runtime AS build
 ARG TORCH_VERSION=2.13.0
+ARG EXTRAS=dataplane
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check "torch==${TORCH_VERSION}"
 COPY . /src
-RUN /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check "/src[dataplane]" \
+RUN /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check "/src[${EXTRAS}]" \
         dumb-init==1.2.5.post1
 
 FROM runtime
