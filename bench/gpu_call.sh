@@ -23,7 +23,10 @@ declare -A need=([bench-0.6b]=75 [bench-0.6b-triton]=75 [bench-0.6b-tfa4]=100 [b
 n=0
 for stage in $stages; do
   n=$((n + 1)); left=$((end - SECONDS))
-  if [[ $stage == apply:* ]]; then git apply "${stage#apply:}" && echo "applied ${stage#apply:}"; continue; fi
+  if [[ $stage == apply:* ]]; then
+    git apply "${stage#apply:}" || { echo "not applied: the stages after it do not run"; break; }
+    echo "applied ${stage#apply:}"; continue
+  fi
   if [ "$left" -lt "${need[$stage]:-60}" ]; then echo "skip $stage ($left s left)"; continue; fi
   dir=/root/o/$CALL-$n-$stage; mkdir -p "$dir"
   echo "=== $stage $(date +%T) ($left s left)"
