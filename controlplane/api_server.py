@@ -160,11 +160,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:
         info = self.engine.info
-        return generation_pb2.ModelInfo(
-            model_name=self.model.name, max_model_len=self.max_model_len,
-            vocab_size=self.model.vocab_size, block_size=info.block_size if info else 0,
-            tp_size=info.tp_size if info else 0, dtype=info.dtype if info else "",
-            attention_backend=info.attention_backend if info else "")
+        # what only an attached data plane knows stays at proto3's zero values until one is
+        attached = {} if info is None else dict(
+            block_size=info.block_size, tp_size=info.tp_size, dtype=info.dtype,
+            attention_backend=info.attention_backend)
+        return generation_pb2.ModelInfo(model_name=self.model.name,
+                                        max_model_len=self.max_model_len,
+                                        vocab_size=self.model.vocab_size, **attached)
 
     async def GetLoad(self, request, context) -> generation_pb2.Load:
         running, waiting, used, total = self.engine.load()
