@@ -99,7 +99,7 @@ def _best_gpu_backend() -> str:
     triton on 128-token blocks only ~0.15% (65c5784), so triton keeps 16.
 
     What it costs: importing FA4 at start-up (~3.5 s), compiling its kernels the first time
-    (~12-30 s; later starts load them from FA4's disk cache: configure took 3.6 s against
+    (~12-35 s; later starts load them from FA4's disk cache: configure took 3.6 s against
     triton's 3.2 at 84f8284), 128-token blocks unless `--block-size` names another (cached
     prefixes are shared in whole blocks), and a function private to flash-attn-4 (the backend
     tests check it against the torch reference). The GPU tests pass under it (fa4-tests and
