@@ -63,11 +63,11 @@ def make_backend(name: str, device: str) -> AttentionBackend:
         return TritonAttention()
     if name == "triton_fa4":
         from dataplane.attention.flash_attn_backend import fa4_forward_into
-        from dataplane.attention.triton_backend import TritonFa4Attention
         forward_into = fa4_forward_into()
         if forward_into is None:
             raise ValueError("attention backend triton_fa4 needs FlashAttention-4 "
                              "(flash_attn.cute), which does not import")
+        from dataplane.attention.triton_backend import TritonFa4Attention
         return TritonFa4Attention(forward_into, FA4_MIN_PREFILL_ROWS)
     if name == "flash_attn":
         from dataplane.attention.flash_attn_backend import import_flash_attn
@@ -103,8 +103,18 @@ def _best_gpu_backend() -> str:
     triton's 3.2 at 84f8284), 128-token blocks unless `--block-size` names another (cached
     prefixes are shared in whole blocks), and a function private to flash-attn-4 (the backend
     tests check it against the torch reference). The GPU tests pass under it (fa4-tests and
-    smoke at 84f8284). Only Hopper was measured, so other GPUs keep triton."""
+    smoke at 84f8284). Only Hopper was measured, so other GPUs keep triton.
+
+    FA4 is optional, so auto never fails on it: an install that raises anything while importing
+    (a CUTLASS DSL built for another CUDA, say) is logged and auto picks triton. An explicit
+    `triton_fa4` raises the error instead."""
     from dataplane.attention.flash_attn_backend import fa4_forward_into
-    if torch.cuda.get_device_capability()[0] == 9 and fa4_forward_into() is not None:
-        return "triton_fa4"
-    return "triton"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "triton"
+    try:
+        has_fa4 = fa4_forward_into() is not None
+    except Exception as e:  # whatever an optional package raises while importing
+        log.warning("FlashAttention-4 failed to import (%s: %s): attention backend auto picks "
+                    "triton", type(e).__name__, e)
+        return "triton"
+    return "triton_fa4" if has_fa4 else "triton"

@@ -1,0 +1,64 @@
+"""`--attention-backend auto` on a Hopper GPU (the capability faked here, on CPU): FA4 is
+optional, so an install that fails to import, whatever it raises, leaves auto on triton with a
+warning, while an explicit triton_fa4 raises the error."""
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from dataplane.attention import base
+
+
+class BrokenFa4:
+    """A meta-path finder that fails every flash_attn import with `error`, as an install whose
+    native part does not load (a CUTLASS DSL built for another CUDA) raises from inside the
+    import."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "flash_attn" or name.startswith("flash_attn."):
+            raise self.error
+        return None
+
+
+@pytest.fixture
+def hopper_with(monkeypatch):
+    """Install a finder that fails flash_attn's import with the given error, on a faked
+    capability-9 GPU, with no flash_attn module already imported."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+    def install(error: Exception) -> None:
+        monkeypatch.setattr(sys, "meta_path", [BrokenFa4(error), *sys.meta_path])
+    return install
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA driver version is insufficient"),
+                                   OSError("libcuda.so.1: cannot open shared object file")])
+def test_auto_picks_triton_when_fa4_breaks_on_import(hopper_with, caplog, error):
+    hopper_with(error)
+    with caplog.at_level(logging.WARNING, logger="splitserve.dataplane"):
+        assert base._best_gpu_backend() == "triton"
+    assert f"FlashAttention-4 failed to import ({type(error).__name__}: {error})" in caplog.text
+
+
+def test_auto_picks_triton_quietly_without_fa4(hopper_with, caplog):
+    hopper_with(ModuleNotFoundError("No module named 'flash_attn'"))
+    with caplog.at_level(logging.WARNING, logger="splitserve.dataplane"):
+        assert base._best_gpu_backend() == "triton"
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("error, raised, match", [
+    (RuntimeError("CUDA driver version is insufficient"), RuntimeError, "driver version"),
+    (ModuleNotFoundError("No module named 'flash_attn'"), ValueError,
+     "triton_fa4 needs FlashAttention-4")])
+def test_explicit_triton_fa4_raises(hopper_with, error, raised, match):
+    hopper_with(error)
+    with pytest.raises(raised, match=match):
+        base.make_backend("triton_fa4", "cuda")
