@@ -19,7 +19,8 @@ end=$((SECONDS + ${3:-560}))
 if [[ $card == *H200* ]]; then stages=$1; else stages=$2; fi
 # seconds each stage took on an H100, with a margin
 declare -A need=([bench-0.6b]=75 [bench-0.6b-triton]=75 [bench-0.6b-tfa4]=100 [bench-8b]=120
-                 [bench-8b-tfa4]=150 [fa4-tests]=130 [smoke]=250 [tests]=380 [decode-pages]=40)
+                 [bench-8b-tfa4]=150 [fa4-tests]=130 [smoke]=250 [tests]=550
+                 [tests-runner]=400 [tests-kernels]=400 [decode-pages]=40)
 n=0
 for stage in $stages; do
   n=$((n + 1)); left=$((end - SECONDS))
