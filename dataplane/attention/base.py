@@ -66,7 +66,8 @@ def make_backend(name: str, device: str) -> AttentionBackend:
         forward_into = fa4_forward_into()
         if forward_into is None:
             raise ValueError("attention backend triton_fa4 needs FlashAttention-4 "
-                             "(flash_attn.cute), which does not import")
+                             "(flash_attn.cute), which does not import (logged above): install "
+                             "the fa4 extra, pip install '.[dataplane,fa4]'")
         from dataplane.attention.triton_backend import TritonFa4Attention
         return TritonFa4Attention(forward_into, FA4_MIN_PREFILL_ROWS)
     if name == "flash_attn":

@@ -11,6 +11,7 @@ Block sizes (exposed as `block_size`; the data plane must allocate the cache wit
 """
 
 import getpass
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from dataplane.forward_context import ForwardContext
 
+log = logging.getLogger("splitserve.dataplane")
 
 class FlashAttention4:
     name = "flash_attn"
@@ -111,11 +113,14 @@ def fa4_forward_into() -> Callable | None:
     The public flash_attn_varlen_func allocates its output (a copy into ours would move as many
     bytes again as the kernel writes) and goes through autograd; the module function under it
     takes `out`. It is private to flash-attn-4 (4.0.0b36 in fa4-bundle.sh): the backend tests
-    check it against the torch reference."""
+    check it against the torch reference. Why it does not import is logged (a missing package
+    of the fa4 extra, or a flash-attn-4 without that function): auto's pick and triton_fa4's
+    error follow from it."""
     _keep_fa4_kernels_on_disk()
     try:
         from flash_attn.cute.interface import _flash_attn_fwd
-    except ImportError:
+    except ImportError as e:
+        log.info("FlashAttention-4's forward does not import: %s", e)
         return None
 
     def forward_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
