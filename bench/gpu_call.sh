@@ -34,4 +34,4 @@ for stage in $stages; do
   SMOKE_TIMEOUT=$((left - 15)) OUT=$dir timeout $((left - 5)) bash bench/gpu_run.sh "$stage" > "$dir/log" 2>&1
   echo "rc $?"; grep -E "passed|failed|tok/s" "$dir/log" | tail -8
 done
-tar -C /root/o -cf "${OUT:?}/r.tar" .
+mkdir -p /root/o && tar -C /root/o -cf "${OUT:?}/r.tar" .
