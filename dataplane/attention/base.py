@@ -103,12 +103,13 @@ def _best_gpu_backend() -> str:
     (~12-35 s; later starts load them from FA4's disk cache: configure took 3.6 s against
     triton's 3.2 at 84f8284), 128-token blocks unless `--block-size` names another (cached
     prefixes are shared in whole blocks), and a function private to flash-attn-4 (the backend
-    tests check it against the torch reference). The GPU tests pass under it (fa4-tests and
-    smoke at 84f8284). Only Hopper was measured, so other GPUs keep triton.
+    tests check it against the torch reference). The whole GPU suite passes under it (an H100
+    at 5f6175e). Only Hopper was measured, so other GPUs keep triton.
 
-    FA4 is optional, so auto never fails on it: an install that raises anything while importing
-    (a CUTLASS DSL built for another CUDA, say) is logged and auto picks triton. An explicit
-    `triton_fa4` raises the error instead."""
+    FA4 is optional, so auto never fails on its import: an install that raises anything while
+    importing (a CUTLASS DSL built for another CUDA, say) is logged and auto picks triton. An
+    explicit `triton_fa4` raises the error instead. A failure later, in FA4's first compile at
+    configure, still stops the data plane."""
     from dataplane.attention.flash_attn_backend import fa4_forward_into
     if torch.cuda.get_device_capability()[0] != 9:
         return "triton"
