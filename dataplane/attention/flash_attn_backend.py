@@ -24,6 +24,7 @@ from dataplane.forward_context import ForwardContext
 
 log = logging.getLogger("splitserve.dataplane")
 
+
 class FlashAttention4:
     name = "flash_attn"
     block_size: int | None = 128
