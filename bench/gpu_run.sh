@@ -90,42 +90,31 @@ serving_06b() {
     --goodput ttft:500 tpot:50 --out "$OUT/serving-0.6b-$name.json" 2>&1 \
     | grep -E "^rate|Error" | sed "s/^/$name /"
 }
+# gpu_pytest SECONDS NAME ARGS...: the GPU-marked tests pytest ARGS select, logged to
+# $OUT/NAME.log, with their failures and counts printed
+gpu_pytest() {
+  local seconds=$1 name=$2; shift 2
+  timeout "$seconds" python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
+    --timeout 240 --tb=short "$@" > "$OUT/$name.log" 2>&1
+  grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/$name.log" | tail -40
+}
+K=tests/dataplane/kernels
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests|tests-runner|tests-kernels)
-           case $stage in
-             tests) files="tests/dataplane/test_gpu_runner.py tests/dataplane/test_moe_vs_hf.py
-                           tests/dataplane/kernels" ;;
-             tests-runner) files="tests/dataplane/test_gpu_runner.py tests/dataplane/test_moe_vs_hf.py
-                                  tests/dataplane/kernels/test_attention_backends.py
-                                  tests/dataplane/kernels/test_model_backends.py" ;;
-             tests-kernels) files=$(ls tests/dataplane/kernels/test_*.py \
-                                    | grep -v -e attention_backends -e model_backends) ;;
-           esac
-           # shellcheck disable=SC2086  # $files is a list of paths
-           timeout 560 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
-             --timeout 240 --tb=short --durations 25 $files > "$OUT/$stage.log" 2>&1
-           grep -E "FAILED|ERROR|passed|failed" "$OUT/$stage.log" | tail -40 ;;
-    runner) timeout 500 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
-             --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
-             tests/dataplane/test_moe_vs_hf.py tests/dataplane/kernels/test_categorical_sample.py \
-             tests/dataplane/kernels/test_elementwise.py tests/dataplane/kernels/test_decode_inputs.py \
-             tests/dataplane/kernels/test_splitk_matmul.py > "$OUT/runner.log" 2>&1
-           grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/runner.log" | tail -60 ;;
-    tp2-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
-             --timeout 240 --tb=short -k tp2 tests/dataplane/test_gpu_runner.py > "$OUT/tp2-tests.log" 2>&1
-           grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/tp2-tests.log" | tail -20 ;;
-    smoke) timeout ${SMOKE_TIMEOUT:-300} python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
-             --timeout 240 --tb=short tests/dataplane/test_gpu_runner.py \
-             tests/dataplane/kernels/test_attention_backends.py \
-             tests/dataplane/kernels/test_categorical_sample.py -k "not fa4 and not flash_attn" \
-             > "$OUT/smoke.log" 2>&1
-           grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/smoke.log" | tail -40 ;;
-    decode-tests|prefill-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider \
-             -o addopts= -rfE --timeout 240 --tb=short \
-             "tests/dataplane/kernels/test_paged_${stage%-tests}_attention.py" > "$OUT/$stage.log" 2>&1
-           grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/$stage.log" | tail -40 ;;
+    tests) gpu_pytest 560 tests --durations 25 tests/dataplane/test_gpu_runner.py \
+             tests/dataplane/test_moe_vs_hf.py $K ;;
+    tests-runner) gpu_pytest 560 tests-runner --durations 25 tests/dataplane/test_gpu_runner.py \
+             tests/dataplane/test_moe_vs_hf.py $K/test_attention_backends.py $K/test_model_backends.py ;;
+    tests-kernels) gpu_pytest 560 tests-kernels --durations 25 $K \
+             --ignore $K/test_attention_backends.py --ignore $K/test_model_backends.py ;;
+    runner) gpu_pytest 500 runner tests/dataplane/test_gpu_runner.py tests/dataplane/test_moe_vs_hf.py \
+             $K/test_categorical_sample.py $K/test_elementwise.py $K/test_decode_inputs.py \
+             $K/test_splitk_matmul.py ;;
+    tp2-tests) gpu_pytest 300 tp2-tests -k tp2 tests/dataplane/test_gpu_runner.py ;;
+    smoke) gpu_pytest "${SMOKE_TIMEOUT:-300}" smoke tests/dataplane/test_gpu_runner.py \
+             $K/test_attention_backends.py $K/test_categorical_sample.py -k "not fa4 and not flash_attn" ;;
+    decode-tests|prefill-tests) gpu_pytest 300 "$stage" "$K/test_paged_${stage%-tests}_attention.py" ;;
     kernels) timeout 150 python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 \
              | tee "$OUT/kernels.log" | tail -40 ;;
     moe) timeout 300 python3 bench/fused_moe.py --out "$OUT/fused_moe.json" 2>&1 | tail -30 ;;
@@ -182,12 +171,8 @@ for stage in "$@"; do
              --sweep 2>&1 | grep -v Warning | tail -12
            timeout 280 python3 bench/splitk_probe.py "$OUT/splitk_sweep.json" --sweep 2>&1 \
              | grep -v Warning | tail -8 ;;
-    gemm-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
-             --timeout 240 --tb=short tests/dataplane/kernels/test_decode_matmul.py \
-             tests/dataplane/kernels/test_tma_matmul.py tests/dataplane/kernels/test_splitk_matmul.py \
-             tests/dataplane/kernels/test_elementwise.py \
-             tests/dataplane/kernels/test_paged_decode_attention.py > "$OUT/gemm-tests.log" 2>&1
-           grep -E "FAILED|ERROR|Error|assert|passed|failed" "$OUT/gemm-tests.log" | tail -30 ;;
+    gemm-tests) gpu_pytest 300 gemm-tests $K/test_decode_matmul.py $K/test_tma_matmul.py \
+             $K/test_splitk_matmul.py $K/test_elementwise.py $K/test_paged_decode_attention.py ;;
     splitk) timeout 300 python3 bench/splitk_probe.py "$OUT/splitk.json" 2>&1 | grep -v Warning \
              | tail -14 ;;
     gemm) timeout 200 python3 bench/gemm.py --out "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" \
@@ -206,10 +191,8 @@ for stage in "$@"; do
              --attention-backend triton_fa4 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-tfa4-bs16) timeout 200 python3 bench/throughput.py --model qwen3-0.6b \
              --attention-backend triton_fa4 --block-size 16 --out-dir "$OUT" 2>&1 | tail -20 ;;
-    fa4-tests) timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -rfE \
-             tests/dataplane/kernels/test_attention_backends.py tests/dataplane/test_gpu_runner.py \
-             tests/dataplane/kernels/test_model_backends.py -k "fa4 or flash_attn or make_backend" 2>&1 \
-             | tee "$OUT/fa4-tests.log" | tail -25 ;;
+    fa4-tests) gpu_pytest 300 fa4-tests $K/test_attention_backends.py tests/dataplane/test_gpu_runner.py \
+             $K/test_model_backends.py -k "fa4 or flash_attn or make_backend" ;;
     bench-0.6b-pd2) timeout 150 python3 bench/throughput.py --model qwen3-0.6b --pipeline-depth 2 --out-dir "$OUT" 2>&1 | tail -20 ;;
     bench-0.6b-fa4) timeout 240 python3 bench/throughput.py --model qwen3-0.6b --modes inprocess \
              --attention-backend flash_attn --out-dir "$OUT" 2>&1 | tail -20 ;;
