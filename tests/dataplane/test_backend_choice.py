@@ -28,8 +28,10 @@ class BrokenFa4:
 @pytest.fixture
 def hopper_with(monkeypatch):
     """Install a finder that fails flash_attn's import with the given error, on a faked
-    capability-9 GPU, with no flash_attn module already imported."""
+    capability-9 GPU, with no flash_attn module already imported. FA4's disk-cache switch is
+    set for the test (the import sets it in the environment otherwise) and restored after."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
     for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
         monkeypatch.delitem(sys.modules, name)
 
