@@ -326,8 +326,10 @@ class DataPlaneLink:
         peer.info = DataPlaneInfo(epoch=peer.epoch, instance_id=h.instance_id,
                                   num_kv_blocks=ready.num_kv_blocks, block_size=ready.block_size,
                                   tp_size=h.tp_size, dtype=h.dtype, device=h.device,
-                                  attention_backend=h.attention_backend)
-        log.info("data plane %s ready: %d KV blocks of %d tokens", h.instance_id,
-                 ready.num_kv_blocks, ready.block_size)
+                                  # Ready's: configure may have fallen back to another
+                                  attention_backend=ready.attention_backend
+                                  or h.attention_backend)
+        log.info("data plane %s ready: %d KV blocks of %d tokens, attention backend %s",
+                 h.instance_id, ready.num_kv_blocks, ready.block_size, peer.info.attention_backend)
         self._attached.set()
         self._on_change(True)

@@ -111,7 +111,8 @@ def _configure(runner: ModelRunner, message: link_pb2.LinkMessage, state: EpochS
              runner.block_size)
     state.epoch, state.last_step_id = message.epoch, 0
     state.results.clear()
-    state.ready = link_pb2.Ready(num_kv_blocks=num_blocks, block_size=runner.block_size)
+    state.ready = link_pb2.Ready(num_kv_blocks=num_blocks, block_size=runner.block_size,
+                                 attention_backend=runner.backend.name)
     return link_pb2.LinkMessage(epoch=message.epoch, ready=state.ready)
 
 

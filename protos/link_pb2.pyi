@@ -67,12 +67,14 @@ class Configure(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("num_kv_blocks", "block_size")
+    __slots__ = ("num_kv_blocks", "block_size", "attention_backend")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     block_size: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    attention_backend: str
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("reason",)

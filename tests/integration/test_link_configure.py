@@ -127,3 +127,27 @@ def test_a_ready_that_does_not_fit_its_hello_is_refused(control_plane, ready):
         again.close()
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("ready_backend, reported", [("triton", "triton"), ("", "triton_fa4")],
+                         ids=["ready-says-triton", "ready-says-none"])
+def test_model_info_names_the_backend_the_data_plane_configured(control_plane, ready_backend,
+                                                                reported):
+    """auto's triton_fa4 falls back to triton when FlashAttention-4 fails in its first compile,
+    after the Hello named triton_fa4: GetModelInfo reports the Ready's backend, else the
+    Hello's (a Ready without one)."""
+    model, link, server = control_plane
+    hello = framing.decode(rogue_hello(model)).hello
+    hello.attention_backend = "triton_fa4"
+    data_plane = ControlPlaneLink(link, hello, LinkConfig())
+    data_plane.start()
+    try:
+        kind, payload = data_plane.recv(timeout_s=10.0)
+        configure = link_pb2.LinkMessage.FromString(payload)
+        assert kind == RELAY and configure.WhichOneof("body") == "configure"
+        data_plane.send(link_pb2.LinkMessage(epoch=configure.epoch, ready=link_pb2.Ready(
+            num_kv_blocks=64, block_size=16, attention_backend=ready_backend)))
+        assert harness.wait_until(lambda: server.client.is_serving(timeout=1.0), 10), server.log()
+        assert server.client.model_info().attention_backend == reported
+    finally:
+        data_plane.close()
