@@ -6,6 +6,7 @@ always has the next step queued while the host packs and sends the previous resu
 """
 
 import gc
+import logging
 import pathlib
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from transformers import PretrainedConfig
 from common.wire import pack_f32, pack_i32
 from dataplane import kv_cache
 from dataplane.attention import AttentionBackend, kv_block_size, make_backend
+from dataplane.attention.flash_attn_backend import Fa4Error
 from dataplane.cuda_graphs import MAX_MIXED_TOKENS, DecodeGraphs, MixedGraphs
 from dataplane.distributed import broadcast_from_rank0, tp_rank
 from dataplane.forward_context import forward_context
@@ -25,6 +27,8 @@ from dataplane.loader import load_config, load_model, resolve_dtype
 from dataplane.sampler import SamplerOutput, SamplingBatch, sample
 from dataplane.warmup import DummySteps
 from protos import link_pb2
+
+log = logging.getLogger("splitserve.dataplane")
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,24 @@ class ModelRunner:
 
     def configure(self, limits: link_pb2.Configure) -> int:
         """Size and allocate the KV cache and slot tables for these limits, capture the CUDA
-        graphs; returns the number of KV blocks."""
+        graphs; returns the number of KV blocks.
+
+        Where auto picked triton_fa4 and FlashAttention-4 fails here (its first compiles run in
+        the profiling step and the warm-up), the runner falls back to triton on the same block
+        size for good, and logs why: FA4 is optional, and its import alone does not show that
+        its CuTe DSL can compile for this GPU. An explicit triton_fa4 raises. Every TP rank
+        runs the same software, so they fail at the same FA4 call and fall back together."""
+        try:
+            return self._configure(limits)
+        except Fa4Error as e:
+            if self.config.attention_backend != "auto":
+                raise
+            log.warning("FlashAttention-4 failed at configure (%s): attention backend auto falls "
+                        "back to triton on %d-token KV blocks", e, self.block_size)
+        self.backend = make_backend("triton", self.config.device)
+        return self._configure(limits)
+
+    def _configure(self, limits: link_pb2.Configure) -> int:
         self.kv = self.graphs = self.mixed_graphs = self.batch = None  # free the old epoch's first
         self._last_end = None  # (the idle before an epoch's first step is not a step's)
         self._unbind_kv_cache()  # the layers' views would keep the old cache through the sizing

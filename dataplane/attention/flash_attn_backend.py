@@ -126,8 +126,16 @@ def fa4_forward_into() -> Callable | None:
 
     def forward_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      out: torch.Tensor, **kwargs) -> None:
-        _flash_attn_fwd(q, k_cache, v_cache, out=out, **kwargs)
+        try:
+            _flash_attn_fwd(q, k_cache, v_cache, out=out, **kwargs)
+        except Exception as e:  # its CuTe DSL compile raises several kinds
+            raise Fa4Error(f"{type(e).__name__}: {e}") from e
     return forward_into
+
+
+class Fa4Error(RuntimeError):
+    """FlashAttention-4's forward failed (typically its first compile of a kernel): auto's
+    triton_fa4 falls back to triton at configure on this (ModelRunner.configure)."""
 
 
 def _keep_fa4_kernels_on_disk() -> None:

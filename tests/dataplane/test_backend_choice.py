@@ -1,14 +1,24 @@
 """`--attention-backend auto` on a Hopper GPU (the capability faked here, on CPU): FA4 is
 optional, so an install that fails to import, whatever it raises, leaves auto on triton and says
-why in the log, while an explicit triton_fa4 raises."""
+why in the log, while an explicit triton_fa4 raises. The same when FA4 imports but fails in its
+first compile at configure (on a GPU in test_gpu_runner; here the runner's control flow, with
+FA4's failure and the triton backend stood in for)."""
 
 import logging
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
+from dataplane import model_runner
 from dataplane.attention import base
+from dataplane.attention.flash_attn_backend import Fa4Error
+from dataplane.attention.torch_backend import TorchAttention
+from dataplane.model_runner import ModelRunner, RunnerConfig
+from dataplane.worker import EpochState, Liveness, _configure
+from protos import link_pb2
+from tests.dataplane.steps import configure
 
 
 class BrokenFa4:
@@ -65,3 +75,54 @@ def test_explicit_triton_fa4_raises(hopper_with, error, raised, match):
     hopper_with(error)
     with pytest.raises(raised, match=match):
         base.make_backend("triton_fa4", "cuda")
+
+
+class StandIn(TorchAttention):
+    """The torch backend under another name: triton_fa4's and triton's places on CPU."""
+
+    def __init__(self, name: str, preferred_block_size: int = 16):
+        self.name, self.preferred_block_size = name, preferred_block_size
+
+
+@pytest.fixture
+def fa4_runner(checkpoints, monkeypatch):
+    """A CPU runner whose backend is a stand-in triton_fa4 on 128-token blocks, whose configure
+    fails as FA4's first compile would, and whose make_backend gives stand-ins; takes the
+    --attention-backend it was asked for."""
+    real_configure = ModelRunner._configure
+
+    def configure_or_fail(self, limits):
+        if self.backend.name == "triton_fa4":
+            raise Fa4Error("DSLRuntimeError: no kernel image for this GPU")
+        return real_configure(self, limits)
+    monkeypatch.setattr(ModelRunner, "_configure", configure_or_fail)
+    monkeypatch.setattr(model_runner, "make_backend", lambda name, device: StandIn(name))
+
+    def make(asked: str) -> ModelRunner:
+        config = RunnerConfig(model_dir=checkpoints["untied"], attention_backend="torch")
+        runner = ModelRunner.load(config)
+        runner.config = replace(config, attention_backend=asked)
+        runner.backend, runner.block_size = StandIn("triton_fa4", 128), 128
+        return runner
+    return make
+
+
+def test_auto_falls_back_to_triton_when_fa4_fails_at_configure(fa4_runner, caplog):
+    """On the block size the Hello announced, and the Ready names the backend it ended on."""
+    runner = fa4_runner("auto")
+    message = link_pb2.LinkMessage(epoch=1, configure=configure())
+    with caplog.at_level(logging.WARNING, logger="splitserve.dataplane"):
+        ready = _configure(runner, message, EpochState(), Liveness(None)).ready
+    assert (runner.backend.name, runner.block_size) == ("triton", 128)
+    assert (ready.attention_backend, ready.block_size) == ("triton", 128)
+    assert ready.num_kv_blocks > 0 and runner.kv.shape[3] == 128
+    assert all(layer.backend is runner.backend for layer in runner.model.attention_layers())
+    assert "FlashAttention-4 failed at configure (DSLRuntimeError: no kernel image for this " \
+           "GPU): attention backend auto falls back to triton on 128-token KV blocks" in caplog.text
+
+
+def test_explicit_triton_fa4_raises_when_fa4_fails_at_configure(fa4_runner):
+    runner = fa4_runner("triton_fa4")
+    with pytest.raises(Fa4Error, match="no kernel image"):
+        runner.configure(configure())
+    assert runner.backend.name == "triton_fa4"

@@ -6,6 +6,7 @@ float32."""
 
 import concurrent.futures
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import time
 import pytest
 import torch
 
-from dataplane.attention.flash_attn_backend import fa4_forward_into
+from dataplane.attention.flash_attn_backend import Fa4Error, fa4_forward_into
 from dataplane.checkpoints import write_default_model
 from dataplane.model_runner import ModelRunner, RunnerConfig
 from splitserve.llm import LLM
@@ -59,6 +60,40 @@ def test_bf16_on_cuda_keeps_the_first_greedy_tokens_and_close_logprobs(checkpoin
                     assert token == row.argmax().item()
                 assert row[token] >= top2[0] - 2 * BF16_LOGPROB_TOLERANCE
             assert abs(lp.logprob - row[token].item()) < BF16_LOGPROB_TOLERANCE
+
+
+def test_auto_falls_back_to_triton_when_fa4_fails_to_compile(checkpoints, monkeypatch, caplog):
+    """FlashAttention-4 that imports but cannot compile (its forward made to raise, as a CuTe
+    DSL without this GPU's target would) in configure's 4,096-row steps: auto's triton_fa4
+    configures on triton instead, on the 128-token blocks its Hello announced, and gives
+    triton's greedy tokens there; an explicit triton_fa4 raises."""
+    if fa4_forward_into() is None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("auto picks triton_fa4 only on Hopper with FlashAttention-4")
+    import flash_attn.cute.interface as fa4
+    model = checkpoints["untied"]
+    options = dict(max_num_batched_tokens=4096, device="cuda", dtype="bfloat16")
+    expected = greedy(model, 4, attention_backend="triton", block_size=128, **options)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no kernel image for this GPU (made to fail)")
+    monkeypatch.setattr(fa4, "_flash_attn_fwd", fails)
+    with caplog.at_level(logging.WARNING, logger="splitserve.dataplane"):
+        llm = LLM(model, max_num_seqs=8, attention_backend="auto", **options)
+        try:
+            got = llm.generate(PROMPTS, max_tokens=4, temperature=0, ignore_eos=True)
+            assert (llm.dataplane.info.attention_backend, llm.dataplane.info.block_size) == \
+                ("triton", 128)
+        finally:
+            llm.close()
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert "auto falls back to triton on 128-token KV blocks" in caplog.text
+    runner = ModelRunner.load(RunnerConfig(model_dir=model, device="cuda", dtype="bfloat16",
+                                           attention_backend="triton_fa4", num_kv_blocks=256))
+    try:
+        with pytest.raises(Fa4Error, match="made to fail"):
+            runner.configure(configure(max_num_batched_tokens=4096))
+    finally:
+        runner.release()
 
 
 def test_float32_on_cuda_equals_transformers_with_graphs_and_eager(checkpoints):
