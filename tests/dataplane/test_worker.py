@@ -101,6 +101,7 @@ def test_the_liveness_file_is_touched_while_configure_runs(tmp_path):
 
     class SlowRunner:
         block_size = 16
+        backend = SimpleNamespace(name="torch")
 
         def configure(self, limits) -> int:  # returns once the file is touched meanwhile
             for _ in range(1000):
