@@ -81,19 +81,24 @@ def hold_the_gil(seconds: float) -> None:
         sys.setswitchinterval(switch_interval)
 
 
+def await_configure(data_plane: ControlPlaneLink) -> link_pb2.LinkMessage:
+    """The control plane's answer to the Hello of a started data-plane link."""
+    kind, payload = data_plane.recv(timeout_s=10.0)
+    configure = link_pb2.LinkMessage.FromString(payload)
+    assert kind == RELAY and configure.WhichOneof("body") == "configure"
+    return configure
+
+
 def test_a_data_plane_stalled_while_configuring_does_not_lose_its_control_plane(control_plane):
     """The data plane's own link (its I/O thread) through a 3 s stall after Configure, twice
     the heartbeat timeout: the control plane's heartbeats wait unread meanwhile, which is not
     silence. It used to relay LOST and log "control plane silent" once configured (a
     triton_fa4 data plane's configure, 15-41 s of kernel compiles on an H100, did that)."""
     model, link, server = control_plane
-    hello = framing.decode(rogue_hello(model)).hello
-    data_plane = ControlPlaneLink(link, hello, LinkConfig())
+    data_plane = ControlPlaneLink(link, framing.decode(rogue_hello(model)).hello, LinkConfig())
     data_plane.start()
     try:
-        kind, payload = data_plane.recv(timeout_s=10.0)
-        configure = link_pb2.LinkMessage.FromString(payload)
-        assert kind == RELAY and configure.WhichOneof("body") == "configure"
+        configure = await_configure(data_plane)
         hold_the_gil(3.0)
         data_plane.send(link_pb2.LinkMessage(epoch=configure.epoch, ready=link_pb2.Ready(
             num_kv_blocks=64, block_size=16)))
@@ -142,9 +147,7 @@ def test_model_info_names_the_backend_the_data_plane_configured(control_plane, r
     data_plane = ControlPlaneLink(link, hello, LinkConfig())
     data_plane.start()
     try:
-        kind, payload = data_plane.recv(timeout_s=10.0)
-        configure = link_pb2.LinkMessage.FromString(payload)
-        assert kind == RELAY and configure.WhichOneof("body") == "configure"
+        configure = await_configure(data_plane)
         data_plane.send(link_pb2.LinkMessage(epoch=configure.epoch, ready=link_pb2.Ready(
             num_kv_blocks=64, block_size=16, attention_backend=ready_backend)))
         assert harness.wait_until(lambda: server.client.is_serving(timeout=1.0), 10), server.log()
