@@ -4,7 +4,8 @@
 # $OUT. Stages:
 #   tests          the GPU-marked tests (330-560 s; on a fresh H100 under auto on triton_fa4 at
 #                  5f6175e it passed 62% in its 560 s): tests-runner and tests-kernels are its
-#                  two halves, each with the 25 slowest tests listed, for one call each
+#                  two halves, each with the 25 slowest tests listed, for one call each (362 and
+#                  268 s on an H100 at 35bc58a)
 #   runner         the runner, serve, TP=2, sampler and elementwise-kernel tests (~70 s)
 #   tp2-tests      the TP=2-over-NCCL tests only (the two-GPU machine)
 #   smoke          the runner tests, the attention backends and the sampler kernel (FA4's cases,
