@@ -14,6 +14,7 @@ import getpass
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -123,6 +124,7 @@ def fa4_forward_into() -> Callable | None:
     except ImportError as e:
         log.info("FlashAttention-4's forward does not import: %s", e)
         return None
+    _quiet_fa4_compile_warning()
 
     def forward_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      out: torch.Tensor, **kwargs) -> None:
@@ -136,6 +138,19 @@ def fa4_forward_into() -> Callable | None:
 class Fa4Error(RuntimeError):
     """FlashAttention-4's forward failed (typically its first compile of a kernel): auto's
     triton_fa4 falls back to triton at configure on this (ModelRunner.configure)."""
+
+
+# What the CuTe DSL warns at each first compile of FA4's forward: flash-attn-4 (4.0.0b36) passes
+# it an argument it cannot type, a UserWarning that names the whole kernel, and the kernel is
+# right (the backend tests check it against the torch reference). It filled a screen of every
+# triton_fa4 data plane's log.
+FA4_COMPILE_WARNING = r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument"
+
+
+def _quiet_fa4_compile_warning() -> None:
+    """Drop that warning in this process (it is the only one matched: the message is specific),
+    once FA4 imports."""
+    warnings.filterwarnings("ignore", message=FA4_COMPILE_WARNING, category=UserWarning)
 
 
 def _keep_fa4_kernels_on_disk() -> None:
@@ -178,6 +193,7 @@ def import_flash_attn() -> tuple[FlashAttention4 | FlashAttention2 | None, list[
     _keep_fa4_kernels_on_disk()
     try:
         from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+        _quiet_fa4_compile_warning()
         return FlashAttention4(fa4_varlen), errors
     except ImportError as e:
         errors.append(f"flash_attn.cute (FA4): {e}")
