@@ -20,7 +20,7 @@ from dataplane import kv_cache
 from dataplane.attention import AttentionBackend, kv_block_size, make_backend
 from dataplane.attention.flash_attn_backend import Fa4Error
 from dataplane.cuda_graphs import MAX_MIXED_TOKENS, DecodeGraphs, MixedGraphs
-from dataplane.distributed import broadcast_from_rank0, tp_rank
+from dataplane.distributed import broadcast_from_rank0, tp_rank, tp_size
 from dataplane.forward_context import forward_context
 from dataplane.input_batch import BatchLimits, InputBatch, StepInputs
 from dataplane.loader import load_config, load_model, resolve_dtype
@@ -146,17 +146,20 @@ class ModelRunner:
         graphs; returns the number of KV blocks.
 
         Where auto picked triton_fa4 and FlashAttention-4 fails here (its first compiles run in
-        the profiling step and the warm-up), the runner falls back to triton on the same block
-        size for good, and logs why: FA4 is optional, and its import alone does not show that
-        its CuTe DSL can compile for this GPU. An explicit triton_fa4 raises. Every TP rank
-        runs the same software, so they fail at the same FA4 call and fall back together."""
+        the profiling step and the warm-up), a single-GPU runner falls back to triton on the
+        same block size for good, and logs why: FA4 is optional, and its import alone does not
+        show that its CuTe DSL can compile for this GPU. An explicit triton_fa4 raises, and so
+        does TP > 1: a rank that fell back alone would leave the others waiting in a collective
+        of the failed attempt."""
         try:
             return self._configure(limits)
         except Fa4Error as e:
-            if self.config.attention_backend != "auto":
+            if self.config.attention_backend != "auto" or tp_size() > 1:
                 raise
-            log.warning("FlashAttention-4 failed at configure (%s): attention backend auto falls "
-                        "back to triton on %d-token KV blocks", e, self.block_size)
+            error = str(e)  # not e: its frames hold the failed attempt's tensors
+        log.warning("FlashAttention-4 failed at configure (%s): attention backend auto falls back "
+                    "to triton on %d-token KV blocks", error, self.block_size)
+        gc.collect()  # whatever of the failed attempt sits in reference cycles
         self.backend = make_backend("triton", self.config.device)
         return self._configure(limits)
 

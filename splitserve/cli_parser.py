@@ -120,8 +120,8 @@ def _add_dataplane(p: argparse.ArgumentParser) -> None:
                    choices=("auto", "torch", "triton", "triton_fa4", "flash_attn"), default="auto",
                    help="auto: torch on CPU; on CUDA triton_fa4 on Hopper GPUs where "
                         "FlashAttention-4 imports, else triton (the log says why FA4 did "
-                        "not; if FA4 fails to compile at start-up, triton on the same "
-                        "blocks); triton_fa4: triton with "
+                        "not; if FA4 fails to compile at start-up on one GPU, triton on "
+                        "the same blocks); triton_fa4: triton with "
                         "FlashAttention-4 for steps of 4096 or more prompt tokens in "
                         "fp16/bf16 unless the longest prompt x query heads per KV head <= "
                         "256, on "

@@ -109,8 +109,8 @@ def _best_gpu_backend() -> str:
     FA4 is optional, so auto never fails on its import: an install that raises anything while
     importing (a CUTLASS DSL built for another CUDA, say) is logged and auto picks triton. An
     explicit `triton_fa4` raises the error instead. The same for a failure later, in FA4's
-    first compile at configure: auto goes on with triton on the same blocks, an explicit
-    triton_fa4 raises (ModelRunner.configure)."""
+    first compile at configure: auto goes on with triton on the same blocks on one GPU, an
+    explicit triton_fa4 (or TP > 1) raises (ModelRunner.configure)."""
     from dataplane.attention.flash_attn_backend import fa4_forward_into
     if torch.cuda.get_device_capability()[0] != 9:
         return "triton"

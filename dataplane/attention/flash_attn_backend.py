@@ -130,14 +130,22 @@ def fa4_forward_into() -> Callable | None:
                      out: torch.Tensor, **kwargs) -> None:
         try:
             _flash_attn_fwd(q, k_cache, v_cache, out=out, **kwargs)
+        except _DEVICE_ERRORS:
+            raise  # the device's, not FA4's: they fail a data plane as in any other kernel
         except Exception as e:  # its CuTe DSL compile raises several kinds
             raise Fa4Error(f"{type(e).__name__}: {e}") from e
     return forward_into
 
 
 class Fa4Error(RuntimeError):
-    """FlashAttention-4's forward failed (typically its first compile of a kernel): auto's
-    triton_fa4 falls back to triton at configure on this (ModelRunner.configure)."""
+    """FlashAttention-4's forward failed (typically its first compile of a kernel), other than
+    by running out of device memory or a CUDA error: auto's triton_fa4 falls back to triton at
+    configure on this (ModelRunner.configure)."""
+
+
+# (torch.AcceleratorError: a CUDA error, where this torch has that class)
+_DEVICE_ERRORS = (torch.OutOfMemoryError,
+                  getattr(torch, "AcceleratorError", torch.OutOfMemoryError))
 
 
 # What the CuTe DSL warns at each first compile of FA4's forward: flash-attn-4 (4.0.0b36) passes
