@@ -88,10 +88,9 @@ class StandIn(TorchAttention):
 @pytest.fixture
 def fa4_runner(checkpoints, monkeypatch):
     """A CPU runner whose backend is a stand-in triton_fa4 on 128-token blocks, whose configure
-    fails as FA4's compile in the warm-up would, once the KV cache is allocated and bound (the
-    failed attempt's cache is kept in `failed_caches`, by weak reference), and whose
-    make_backend gives stand-ins; takes the --attention-backend it was asked for and the TP
-    size."""
+    fails as FA4's compile in the warm-up would, once the KV cache is allocated and bound, and
+    whose make_backend gives stand-ins; takes the --attention-backend it was asked for and the
+    TP size, and gives the runner and weak references to its failed attempts' caches."""
     real_configure = ModelRunner._configure
     failed_caches = []
 
@@ -104,21 +103,20 @@ def fa4_runner(checkpoints, monkeypatch):
     monkeypatch.setattr(ModelRunner, "_configure", configure_or_fail)
     monkeypatch.setattr(model_runner, "make_backend", lambda name, device: StandIn(name))
 
-    def make(asked: str, tp_size: int = 1) -> ModelRunner:
+    def make(asked: str, tp_size: int = 1) -> tuple[ModelRunner, list[weakref.ref]]:
         monkeypatch.setattr(model_runner, "tp_size", lambda: tp_size)
         config = RunnerConfig(model_dir=checkpoints["untied"], attention_backend="torch")
         runner = ModelRunner.load(config)
         runner.config = replace(config, attention_backend=asked)
         runner.backend, runner.block_size = StandIn("triton_fa4", 128), 128
-        runner.failed_caches = failed_caches
-        return runner
+        return runner, failed_caches
     return make
 
 
 def test_auto_falls_back_to_triton_when_fa4_fails_at_configure(fa4_runner, caplog):
     """On the block size the Hello announced, every layer on the new backend and cache (the
     failed attempt's freed before the new one is sized), and the Ready names the backend."""
-    runner = fa4_runner("auto")
+    runner, failed_caches = fa4_runner("auto")
     message = link_pb2.LinkMessage(epoch=1, configure=configure())
     with caplog.at_level(logging.WARNING, logger="splitserve.dataplane"):
         ready = _configure(runner, message, EpochState(), Liveness(None)).ready
@@ -129,7 +127,7 @@ def test_auto_falls_back_to_triton_when_fa4_fails_at_configure(fa4_runner, caplo
     assert all(layer.backend is runner.backend for layer in layers)
     assert all(layer.k_cache.data_ptr() == runner.kv[0, i].data_ptr()
                for i, layer in enumerate(layers))
-    assert [cache() for cache in runner.failed_caches] == [None]
+    assert [cache() for cache in failed_caches] == [None]
     assert "FlashAttention-4 failed at configure (DSLRuntimeError: no kernel image for this " \
            "GPU): attention backend auto falls back to triton on 128-token KV blocks" in caplog.text
 
@@ -138,7 +136,7 @@ def test_auto_falls_back_to_triton_when_fa4_fails_at_configure(fa4_runner, caplo
 def test_explicit_triton_fa4_or_tp_raises_when_fa4_fails_at_configure(fa4_runner, asked,
                                                                        tp_size):
     """TP > 1 under auto too: a rank that fell back alone would leave the others waiting."""
-    runner = fa4_runner(asked, tp_size)
+    runner, _ = fa4_runner(asked, tp_size)
     with pytest.raises(Fa4Error, match="no kernel image"):
         runner.configure(configure())
     assert runner.backend.name == "triton_fa4"
