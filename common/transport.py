@@ -106,6 +106,17 @@ def unbounded_socket(kind: int) -> zmq.asyncio.Socket:
     return sock
 
 
+def close_inproc(sock: zmq.Socket, address: str) -> None:
+    """Close a socket bound to an inproc:// address, the address free again on return. libzmq
+    closes a socket later, in its reaper thread: a bind to the same address right after close()
+    can fail with EADDRINUSE (a new link with the same instance id, an id() reused). Unbinding
+    an inproc address is synchronous. A closed socket is left as it is."""
+    if sock.closed:
+        return
+    sock.unbind(address)
+    sock.close(linger=0)
+
+
 def configure_socket(sock: zmq.Socket, config: LinkConfig, server: bool) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, config.high_water_mark)

@@ -24,7 +24,7 @@ import uuid
 import zmq
 
 from common import framing
-from common.transport import LinkConfig, configure_socket
+from common.transport import LinkConfig, close_inproc, configure_socket
 from protos import link_pb2
 
 log = logging.getLogger("splitserve.dataplane")
@@ -54,9 +54,11 @@ class ControlPlaneLink:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop the I/O thread (it sends what was queued first) and free the inproc address."""
         self._stop.set()
-        self._thread.join(timeout=2)
-        self._main.close()
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=2)
+        close_inproc(self._main, self._inproc)
 
     # -- main thread ---------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import zmq
 from google.protobuf.message import DecodeError
 
-from common.transport import PROTOCOL_VERSION, LinkConfig
+from common.transport import PROTOCOL_VERSION, LinkConfig, close_inproc
 from common.model_info import ModelInfo
 from dataplane.distributed import broadcast_bytes, tp_size
 from dataplane.link import LOST, ControlPlaneLink
@@ -124,11 +124,11 @@ class Completions:
 
     def __init__(self) -> None:
         ctx = zmq.Context.instance()
-        address = f"inproc://completions-{id(self)}"
+        self._address = f"inproc://completions-{id(self)}"
         self.socket = ctx.socket(zmq.PULL)  # the main thread's end
-        self.socket.bind(address)
+        self.socket.bind(self._address)
         self._steps: queue.SimpleQueue[PendingStep | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, args=(ctx, address),
+        self._thread = threading.Thread(target=self._run, args=(ctx, self._address),
                                         name="completions", daemon=True)
         self._thread.start()
 
@@ -143,7 +143,7 @@ class Completions:
     def close(self) -> None:
         self._steps.put(None)
         self._thread.join(timeout=2)
-        self.socket.close(linger=0)
+        close_inproc(self.socket, self._address)  # (the next one may get this one's id())
 
     def _run(self, ctx: zmq.Context, address: str) -> None:
         push = ctx.socket(zmq.PUSH)

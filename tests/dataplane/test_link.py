@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from common import framing
-from common.transport import LinkConfig
+from common.transport import LinkConfig, close_inproc
 from dataplane.link import LOST, ControlPlaneLink, _IOLoop
 from protos import link_pb2
 
@@ -31,9 +31,10 @@ def loop():
     io = _IOLoop(link, dealer, pair)
     io.epoch = EPOCH
     yield io, router, link
-    for sock in (router, dealer, pair):
+    for sock in (dealer, pair):
         sock.close(linger=0)
-    link._main.close(linger=0)
+    close_inproc(router, "inproc://control-plane")  # the next test binds both addresses again
+    link.close()
 
 
 def relayed(link: ControlPlaneLink) -> list[bytes]:
@@ -67,3 +68,10 @@ def test_silence_with_nothing_queued_is_lost(loop):
     io.last_heard = now - 10 * link.config.heartbeat_timeout_s
     io._tick(now)
     assert relayed(link) == [LOST] and io.lost_since == now
+
+
+def test_a_closed_link_frees_its_address_at_once():
+    """libzmq closes a socket later, in its reaper thread; close() unbinds first, so the next
+    link with the same instance id (the same inproc address) binds it at once."""
+    for _ in range(200):
+        ControlPlaneLink("inproc://unused", link_pb2.Hello(instance_id="again"), LinkConfig()).close()
