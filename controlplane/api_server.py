@@ -93,11 +93,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not self.engine.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining" if
                                 self.engine.draining else "no data plane is attached")
-        num_waiting = self.engine.load()[1]
-        if num_waiting >= self.max_waiting_requests:
+        num_queued = self.engine.num_queued(num_new=1)  # with this request
+        if num_queued > self.max_waiting_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{num_waiting} requests are waiting, the limit "
-                                f"(--max-waiting-requests) is {self.max_waiting_requests}; retry later")
+                                f"no sequence slot (--max-num-seqs) is free and {num_queued - 1} "
+                                f"requests wait for one, the limit (--max-waiting-requests) is "
+                                f"{self.max_waiting_requests}; retry later")
         limits = self.limits()
         try:
             validate_request_id(request.request_id, limits)

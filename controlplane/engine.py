@@ -186,6 +186,10 @@ class Engine:
             return 0, 0, 0, 0
         return len(s.running), len(s.waiting), s.kv.num_used_blocks, s.kv.num_blocks
 
+    def num_queued(self, num_new: int = 0) -> int:
+        """Requests waiting beyond the free sequence slots (Scheduler.num_queued)."""
+        return 0 if self.scheduler is None else self.scheduler.num_queued(num_new)
+
     def on_link_change(self, attached: bool) -> None:
         """The link saw a data plane come or go. A loss wakes the loop so an idle engine notices
         it now, not at its next step."""

@@ -73,6 +73,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def num_queued(self, num_new: int = 0) -> int:
+        """Waiting requests, with `num_new` more, beyond the sequence slots free now: those that
+        would still wait if the next step admitted one into every free slot. The API bounds
+        this, not the waiting queue, so that a burst that fits the running set is not refused
+        before a step has admitted it."""
+        num_free = self.config.max_num_seqs - len(self.running)
+        return max(0, len(self.waiting) + num_new - num_free)
+
     @property
     def has_work(self) -> bool:
         """Something to schedule or to report."""

@@ -41,8 +41,9 @@ def _add_api(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="queue bound; beyond it Generate fails fast with RESOURCE_EXHAUSTED "
-                        "(default %(default)s)")
+                   help="queue bound: requests that wait for a free sequence slot "
+                        "(--max-num-seqs); beyond it Generate fails fast with RESOURCE_EXHAUSTED "
+                        "(0: no queue) (default %(default)s)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="largest top-N a request may ask for (default %(default)s)")
     p.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",

@@ -305,6 +305,30 @@ def test_burst_beyond_the_queue_bound_fails_fast_while_admitted_requests_complet
         s.stop()
 
 
+def test_the_queue_bound_counts_only_requests_beyond_the_free_sequence_slots(model, tmp_path):
+    """--max-waiting-requests 0: no queue. A burst that fits --max-num-seqs all runs (it waits
+    for no slot, though no step has admitted it yet); with every slot taken one more is refused."""
+    s = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "512",
+                      "--max-num-seqs", "4", "--max-waiting-requests", "0")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            finishes = list(pool.map(lambda i: s.client.generate(
+                [i + 1, 2], max_tokens=8, ignore_eos=True).finish_reason, range(4)))
+        assert finishes == ["length"] * 4
+        streams = [s.client.generate_stream([i + 1, 2], max_tokens=400, ignore_eos=True)
+                   for i in range(4)]
+        assert all(next(stream).token_ids for stream in streams)  # all four are running
+        with pytest.raises(grpc.RpcError) as refused:
+            s.client.generate([1, 2], max_tokens=1)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-waiting-requests" in refused.value.details()
+        assert [list(stream)[-1].finish_reason for stream in streams] == \
+            [generation_pb2.FINISH_REASON_LENGTH] * 4
+        good_request(s)
+    finally:
+        s.stop()
+
+
 def test_stream_interval_sends_at_least_that_many_tokens_per_message(model, server, tmp_path):
     s = harness.serve(model, tmp_path, "--block-size", "4", "--num-kv-blocks", "256",
                       "--stream-interval", "4")
