@@ -39,10 +39,14 @@ class Completion:
 
 
 def build_sampling(**sampling) -> generation_pb2.SamplingParams:
-    """Takes the SamplingParams field names (max_tokens=..., stop=[...]); None is unset."""
+    """Takes the SamplingParams field names (max_tokens=..., stop=[...]); None is unset. A lone
+    string as `stop` is one stop string, as vLLM's SamplingParams takes it (protobuf would make
+    each of its characters one)."""
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
     return generation_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
 
 
