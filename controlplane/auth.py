@@ -5,6 +5,8 @@ import pathlib
 
 import grpc
 
+from controlplane.interceptors import handler_like
+
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
@@ -50,12 +52,4 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator
 
-    kwargs = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
+    return handler_like(handler, refuse, refuse_stream)

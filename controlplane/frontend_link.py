@@ -125,7 +125,11 @@ class FrontendLink:
     async def _run(self, identity: bytes, call: frontend_pb2.Call) -> None:
         try:
             handler, request_type, streams = self._methods[call.method]
-            request = request_type.FromString(call.request)
+            try:
+                request = request_type.FromString(call.request)
+            except DecodeError as e:  # the client's bytes (bad UTF-8 in a string field, ...)
+                raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid "
+                               f"{request_type.DESCRIPTOR.full_name}: {e}") from None
             if streams:  # Generate, the one streaming method (controlplane/frontend.py)
                 await self._generate(identity, call.call_id, request)
             else:

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from controlplane.auth import ApiKeyInterceptor, read_api_keys
+from controlplane.interceptors import MalformedRequestInterceptor
 from protos import generation_pb2
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
@@ -55,6 +56,7 @@ async def start_server(add_handlers: Callable[[grpc.aio.Server], None],
     interceptors = []
     if config.api_key_file is not None:
         interceptors.append(ApiKeyInterceptor(read_api_keys(config.api_key_file)))
+    interceptors.append(MalformedRequestInterceptor(SERVICE.full_name))
     server = grpc.aio.server(interceptors=interceptors,
                              maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     add_handlers(server)

@@ -96,6 +96,29 @@ def test_bad_input_is_invalid_argument_naming_field_limit_value(server, case):
     good_request(server)
 
 
+# Bytes no protobuf library of ours would write: a string field holding bad UTF-8, a cut message.
+MALFORMED = {
+    "Generate text": ("Generate", b"\x12\x02\xff\xfe", "GenerateRequest"),
+    "Generate cut": ("Generate", b"\x1a\x05\x0a\x03", "GenerateRequest"),
+    "Tokenize text": ("Tokenize", b"\x0a\x01\xff", "TokenizeRequest"),
+    "Abort request id": ("Abort", b"\x0a\x01\xc3", "AbortRequest"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_request_that_does_not_parse_is_invalid_argument(server, case):
+    method, data, message = MALFORMED[case]
+    path = f"/{generation_pb2.DESCRIPTOR.services_by_name['Generation'].full_name}/{method}"
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_stream(path) if method == "Generate" else channel.unary_unary(path)
+        with pytest.raises(grpc.RpcError) as error:
+            response = call(data, timeout=30)
+            list(response) if method == "Generate" else response
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert message in error.value.details()
+    good_request(server)
+
+
 def test_duplicate_live_request_id_is_refused(server):
     # as many tokens as fit: still running when the duplicate arrives, on a loaded machine too
     stream = server.client.generate_stream([1, 2], request_id="dup", ignore_eos=True)
