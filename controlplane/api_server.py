@@ -150,14 +150,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Detokenize(self, request: generation_pb2.DetokenizeRequest, context
                          ) -> generation_pb2.DetokenizeResponse:
-        limits = self.limits()
-        for i, token in enumerate(request.token_ids):
-            if token >= limits.vocab_size:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"token_ids[{i}]: token id {token} is outside the vocabulary "
-                                    f"[0, {limits.vocab_size})")
+        vocab_size = self.model.vocab_size
+        token_ids = request.token_ids[:]
+        if token_ids and max(token_ids) >= vocab_size:  # (max: the loop below runs in Python)
+            i, token = next((i, t) for i, t in enumerate(token_ids) if t >= vocab_size)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids[{i}]: token id {token} is outside the vocabulary "
+                                f"[0, {vocab_size})")
         return generation_pb2.DetokenizeResponse(
-            text=self.engine.tokenizer.decode(list(request.token_ids)))
+            text=await self.engine.tokenizer.decode_off_loop(token_ids))
 
     async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:
         info = self.engine.info

@@ -1,5 +1,5 @@
-"""The incremental detokenizer's stop strings and end of stream, and encoding off the event loop,
-on the test checkpoints' byte-level tokenizer."""
+"""The incremental detokenizer's stop strings and end of stream, and encoding and decoding off the
+event loop, on the test checkpoints' byte-level tokenizer."""
 
 import asyncio
 
@@ -58,3 +58,15 @@ def test_a_long_text_is_encoded_while_the_event_loop_keeps_turning():
         return await encoding
 
     assert asyncio.run(run()) == TOKENIZER.encode(text)
+
+
+def test_many_ids_are_decoded_while_the_event_loop_keeps_turning():
+    token_ids = [ord(c) for c in "the quick brown fox jumps over the lazy dog "] * 25_000
+
+    async def run():
+        decoding = asyncio.create_task(TOKENIZER.decode_off_loop(token_ids))
+        await asyncio.sleep(0)  # the task has started: on the loop, it would have finished
+        assert not decoding.done()
+        return await decoding
+
+    assert asyncio.run(run()) == TOKENIZER.decode(token_ids)
