@@ -105,6 +105,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return SamplerOutput(token_ids, sampled, top_ids, top_logprobs)
 
 
+# Finite after division by the smallest temperature (0.01, controlplane/validation.py).
+_MAX_PENALIZED_LOGIT = 1e30
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition penalty over prompt and output tokens (divide positive logits, multiply negative
     ones); presence and frequency penalties over output tokens, as in vLLM and OpenAI."""
@@ -113,7 +117,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     counts = batch.output_counts
     seen = (counts > 0) | batch.prompt_mask
     penalty = batch.repetition_penalty.unsqueeze(1).expand_as(logits)
-    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    # a penalty near 0 or near float32's largest takes a logit to +-inf, a NaN after softmax
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(
+        -_MAX_PENALIZED_LOGIT, _MAX_PENALIZED_LOGIT)
     logits = torch.where(seen, scaled, logits)
     logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
     return logits - batch.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)

@@ -120,6 +120,22 @@ def test_penalties_match_reference(row):
     torch.testing.assert_close(got[0], reference_penalties(logits[0], row, prompt, output))
 
 
+@pytest.mark.parametrize("repetition", [1e-39, 1e-45, 3e38])
+@pytest.mark.parametrize("temperature", [1.0, 0.01])
+def test_an_extreme_repetition_penalty_samples_from_finite_probabilities(repetition, temperature):
+    """A denormal penalty took a seen token's positive logit to inf (and a huge one a negative
+    logit to -inf): softmax gave NaN, and the sampler drew token 0."""
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3)) * 4
+    prompt = [t for t in range(VOCAB) if t % 3 == 0]
+    row = {"repetition": repetition, "temperature": temperature, "seed": 5}
+    batch = make_batch([row], [prompt], [[]])
+    probs = sampling_probs(apply_penalties(logits, batch), batch)
+    assert bool(torch.isfinite(probs).all()) and abs(float(probs.sum()) - 1) < 1e-5
+    token = int(sample(logits, batch).token_ids[0])
+    if repetition < 1:  # a seen token with a positive logit: they outweigh the rest by far
+        assert token in prompt and float(logits[0, token]) > 0
+
+
 def test_top_k_1_is_greedy_and_greedy_rows_stay_greedy():
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(2))
     rows = [{"temperature": 1.5, "top_k": 1}] * 3 + [{"temperature": 0.0}] * 3
