@@ -169,6 +169,8 @@ class Rank0:
         self.pending: collections.deque[tuple[link_pb2.LinkMessage, PendingStep]] = collections.deque()
         # Steps that arrived before their predecessor, by the predecessor's id.
         self.early: dict[int, tuple[bytes, link_pb2.LinkMessage]] = {}
+        # A Configure taken in while the previous epoch's steps finish (_on_configure).
+        self._configure_waiting: tuple[bytes, link_pb2.LinkMessage] | None = None
         self.completions = Completions()
         self._idle_tick = link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()).SerializeToString()
 
@@ -197,15 +199,31 @@ class Rank0:
             return
         body = message.WhichOneof("body")
         if body == "configure":
-            while self.pending:  # the previous epoch's steps end first
-                self._finish_oldest()
-            self.early.clear()
-            broadcast_bytes(payload)
-            self.link.send(_configure(self.runner, message, self.state, self.liveness))
+            self._on_configure(payload, message)
         elif body == "step":
             self._on_step(payload, message)
         elif body == "reject":
             log.error("the control plane refused this data plane: %s", message.reject.reason)
+
+    def _on_configure(self, payload: bytes, message: link_pb2.LinkMessage) -> None:
+        """The previous epoch's steps end first. The control plane repeats its Configure each
+        second until Ready comes, and those steps can take longer (a hung device, a long
+        prompt): a Configure that arrives meanwhile replaces the one waiting if its epoch is
+        as new, and only the newest runs, once."""
+        if self._configure_waiting is not None:  # (we are in the loop below, further up)
+            if message.epoch >= self._configure_waiting[1].epoch:
+                self._configure_waiting = (payload, message)
+            return
+        self._configure_waiting = (payload, message)
+        try:
+            while self.pending:
+                self._finish_oldest()
+            payload, message = self._configure_waiting
+        finally:
+            self._configure_waiting = None
+        self.early.clear()
+        broadcast_bytes(payload)
+        self.link.send(_configure(self.runner, message, self.state, self.liveness))
 
     def _on_step(self, payload: bytes, message: link_pb2.LinkMessage) -> None:
         """Run steps strictly in the order they were sent: one whose predecessor has not run

@@ -94,6 +94,47 @@ def test_rank0_wakes_when_the_device_finishes_a_step_not_at_a_poll_timeout():
     loop.completions.close()
 
 
+@pytest.mark.parametrize("arrivals, expected_epoch", [((2, 2), 2), ((2, 3, 2), 3)])
+def test_configures_that_arrive_while_the_last_epochs_steps_finish_run_once(arrivals,
+                                                                           expected_epoch):
+    """The control plane repeats Configure each second until Ready comes; a step of the last
+    epoch that takes longer used to configure once per repeat, each inside the one before."""
+    event = DeviceEvent()
+
+    class SlowRunner(RecordingRunner):
+        block_size = 16
+        backend = SimpleNamespace(name="torch")
+        configures = 0
+
+        def submit(self, step):
+            super().submit(step)
+            return SimpleNamespace(is_done=event.query, done=event, step_id=step.step_id)
+
+        def configure(self, limits) -> int:
+            self.configures += 1
+            return 8
+
+    def configure(epoch: int) -> bytes:
+        return link_pb2.LinkMessage(epoch=epoch, configure=link_pb2.Configure()).SerializeToString()
+
+    runner = SlowRunner()
+    loop = rank0(runner)
+    later = [(b"msg", configure(epoch)) for epoch in arrivals[1:]]
+
+    def recv_or(other, timeout_s):  # the later Configures, then the step's end
+        if later:
+            return later.pop(0)
+        event.fired.set()
+        return None
+    loop.link.recv_or = recv_or
+    loop._on_step(*step_message(1, 0))
+    loop._on_received(b"msg", configure(arrivals[0]))
+    assert runner.configures == 1
+    assert [(m.WhichOneof("body"), m.epoch) for m in loop.link.sent] == \
+        [("step_result", 1), ("ready", expected_epoch)]
+    loop.completions.close()
+
+
 def test_the_liveness_file_is_touched_while_configure_runs(tmp_path):
     """Compiles and graph captures can keep the loop away for minutes: a probe's --max-age must
     not count that as a hang."""
