@@ -25,6 +25,8 @@ _ERROR_STATUS = {
     FinishReason.ERROR: (grpc.StatusCode.INTERNAL, "the request failed in the engine"),
     FinishReason.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, "the data plane was lost and none "
                                "came back in time"),
+    FinishReason.SHUTDOWN: (grpc.StatusCode.UNAVAILABLE, "the server is shutting down and the "
+                            "request did not finish within its drain timeout"),
 }
 
 

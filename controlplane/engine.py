@@ -207,7 +207,7 @@ class Engine:
             pass
         cut = list(self.streams)
         for request_id in cut:
-            self.abort(request_id, FinishReason.UNAVAILABLE)
+            self.abort(request_id, FinishReason.SHUTDOWN)
         return len(cut)
 
     def close(self) -> None:

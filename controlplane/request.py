@@ -27,7 +27,8 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     ABORTED = "aborted"
     ERROR = "error"
-    UNAVAILABLE = "unavailable"
+    UNAVAILABLE = "unavailable"  # the data plane was lost and none came back in time
+    SHUTDOWN = "shutdown"  # the server stopped (SIGTERM) before the request finished
 
 
 class Request:

@@ -335,7 +335,7 @@ def test_drain_lets_short_requests_finish_and_cuts_the_rest():
 
     short, long, cut, serving = run(body)
     assert short[-1].finish_reason is FinishReason.LENGTH
-    assert long[-1].finish_reason is FinishReason.UNAVAILABLE
+    assert long[-1].finish_reason is FinishReason.SHUTDOWN
     assert cut == 1 and not serving
 
 

@@ -40,6 +40,7 @@ class InFlight:
 
     def __init__(self, client, prompts=PROMPTS, max_tokens=MAX_TOKENS, min_chunks=3) -> None:
         self.results: list = [None] * len(prompts)
+        self.details: list[str | None] = [None] * len(prompts)  # an error status's
         self._seen = [0] * len(prompts)
         self.started = threading.Event()
         self._min_chunks = min_chunks
@@ -59,6 +60,7 @@ class InFlight:
                     self.started.set()
         except grpc.RpcError as e:
             self.started.set()
+            self.details[i] = e.details()
             return e.code().name, tokens
         return generation_pb2.FinishReason.Name(last.finish_reason), tokens
 
@@ -420,4 +422,5 @@ def test_sigterm_with_zero_drain_timeout_ends_live_requests_unavailable(model, t
     results = flight.wait()
     assert {r[0] for r in results} <= {"UNAVAILABLE", "FINISH_REASON_LENGTH"}
     assert "UNAVAILABLE" in {r[0] for r in results}
+    assert all("shutting down" in d for d in flight.details if d is not None), flight.details
     stops_cleanly(server)
