@@ -10,7 +10,8 @@ A control plane silent for `heartbeat_timeout_s` may be gone or only frozen (sto
 CPU); one whose messages wait unread was not silent (this thread was kept off the GIL, by a
 kernel compile at configure, say). The thread keeps its epoch and repeats Hello in it: the same
 control plane, running again, resumes this data plane where it was (DataPlaneLink._on_hello); a
-new one configures a new epoch. The connection itself outlives such a freeze: its transport
+new one configures a new epoch, or refuses this data plane when it has another (this one then
+waits as a standby, as one never configured does). The connection itself outlives such a freeze: its transport
 heartbeats give up only after `transport_timeout_s` (a reconnect would reach the ROUTER under a
 new routing id).
 """
@@ -176,6 +177,12 @@ class _IOLoop:
                 return
             log.error("the control plane dropped this data plane: %s", message.reject.reason)
             os._exit(EXIT_DROPPED)
+        if kind == "reject" and not message.epoch and self.lost_since is not None:
+            # Our control plane is gone and the one that answered our Hello (a restarted one)
+            # has another data plane: wait as a standby, as one never configured does, instead
+            # of ignoring the refusal (another epoch's) and exiting after the grace period.
+            log.warning("refused in epoch %d's stead; waiting as a standby", self.epoch)
+            self.epoch, self.last_seq_in, self.lost_since = 0, 0, None
         if kind == "configure" and message.epoch > self.epoch:
             self.epoch, self.last_seq_in = message.epoch, 0  # a new epoch (or a new control plane)
             self.lost_since = None

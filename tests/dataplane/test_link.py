@@ -1,6 +1,6 @@
-"""Rank 0's link thread judging the control plane's silence (dataplane/link.py's _IOLoop),
-driven by hand over inproc sockets: heartbeats that queued while the thread was kept off the
-GIL are not silence; nothing queued is."""
+"""Rank 0's link thread judging the control plane's silence and its refusals (dataplane/link.py's
+_IOLoop), driven by hand over inproc sockets: heartbeats that queued while the thread was kept
+off the GIL are not silence; nothing queued is."""
 
 import time
 
@@ -9,7 +9,7 @@ import zmq
 
 from common import framing
 from common.transport import LinkConfig, close_inproc
-from dataplane.link import LOST, ControlPlaneLink, _IOLoop
+from dataplane.link import LOST, RELAY, ControlPlaneLink, _IOLoop
 from protos import link_pb2
 
 EPOCH = 7
@@ -68,6 +68,26 @@ def test_silence_with_nothing_queued_is_lost(loop):
     io.last_heard = now - 10 * link.config.heartbeat_timeout_s
     io._tick(now)
     assert relayed(link) == [LOST] and io.lost_since == now
+
+
+def test_refused_at_the_handshake_after_its_control_plane_went_it_waits_as_a_standby(loop):
+    """A control plane restarted on the same address took another data plane first: its refusal
+    (epoch 0) was dropped as another epoch's, and this one exited after the grace period."""
+    io, router, link = loop
+    now = time.monotonic()
+    io.last_heard = now - 10 * link.config.heartbeat_timeout_s
+    io._tick(now)
+    assert relayed(link) == [LOST]
+    router.send_multipart([b"dp", *framing.encode(link_pb2.LinkMessage(
+        seq=1, epoch=0, reject=link_pb2.Reject(reason="data plane b is attached and alive")))])
+    assert io.dealer.poll(1000)
+    io._on_frames(io.dealer.recv_multipart())
+    assert (io.epoch, io.lost_since) == (0, None)  # not configured: no grace period runs
+    assert relayed(link) == [RELAY]  # the refusal, for rank 0's log
+    io._tick(now + 2 * link.config.controlplane_grace_s)  # still here, saying Hello
+    assert router.poll(1000)
+    _, *frames = router.recv_multipart()
+    assert framing.decode(frames).WhichOneof("body") == "hello"
 
 
 def test_a_closed_link_frees_its_address_at_once():
