@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from controlplane.dataplane_client import DataPlaneClient, DataPlaneInfo, DataPlaneLost
 from controlplane.deadline import StepDeadline
 from controlplane.kv_manager import KVCacheManager
+from controlplane.metrics import RequestMetrics
 from controlplane.request import FinishReason, Request
 from controlplane.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from controlplane.step_codec import MalformedResult, TokenLogprobs, decode_result, encode_step
@@ -138,6 +139,7 @@ class Engine:
         self.num_dataplane_losses = 0
         self.num_steps = 0
         self.step_times = StepTimes()
+        self.metrics = RequestMetrics()
         self._wakeup = asyncio.Event()
         self._closed = asyncio.Event()  # set by close(): wakes a run() waiting to attach
         self._idle = asyncio.Event()
@@ -167,6 +169,7 @@ class Engine:
         self.streams[request.request_id] = stream
         self._idle.clear()
         self.scheduler.add(request)
+        self.metrics.admitted(request)
         self._wakeup.set()
         return stream
 
@@ -369,6 +372,7 @@ class Engine:
 
     def _process(self, out: SchedulerOutput, tokens: list[int],
                  logprobs: list[TokenLogprobs | None]) -> None:
+        self.metrics.num_generation_tokens += len(tokens)
         for request, index in self.scheduler.update(out, tokens):
             try:
                 self._emit(request, tokens[index], logprobs[index])
@@ -379,6 +383,8 @@ class Engine:
 
     def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
         stream = self.streams[request.request_id]
+        if request.first_token_time is None:
+            self.metrics.first_token(request)
         # stop strings count once min_tokens tokens came, like stop token ids (vLLM's rule)
         text, stopped = stream.detokenizer.add(
             token, may_stop=request.num_output_tokens > request.sampling.min_tokens)
@@ -396,6 +402,7 @@ class Engine:
 
     def _end(self, stream: RequestStream, reason: FinishReason) -> None:
         request = stream.request
+        self.metrics.finished(request, reason)
         stream.end(Chunk(finish_reason=reason, num_prompt_tokens=request.num_prompt_tokens,
                          num_output_tokens=request.num_output_tokens,
                          num_cached_tokens=request.num_cached_tokens or 0))

@@ -56,6 +56,7 @@ class Request:
         self.is_suspect = False
         self.num_solo_failures = 0  # steps it failed alone since its last token
         self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None  # (controlplane/metrics.py)
 
     @property
     def num_tokens(self) -> int:

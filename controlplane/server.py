@@ -24,6 +24,7 @@ from controlplane.dataplane_link import DataPlaneLink
 from controlplane.engine import Engine, EngineConfig
 from controlplane.frontend_link import FrontendLink
 from controlplane.grpc_server import GrpcServerConfig, set_health, start_server
+from controlplane.metrics import serve_metrics
 from controlplane.scheduler import SchedulerConfig
 from controlplane.tokenizer import Tokenizer
 from protos import generation_pb2_grpc, link_pb2
@@ -51,6 +52,7 @@ class ControlPlaneConfig:
     drain_timeout_s: float = 30.0
     link: LinkConfig = field(default_factory=LinkConfig)
     num_frontends: int = 1  # gRPC front-end processes; 0: gRPC in this process
+    metrics_port: int | None = None  # Prometheus metrics over HTTP on grpc.host (0: a free one)
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 0 or self.drain_timeout_s < 0 or self.num_frontends < 0:
@@ -111,6 +113,7 @@ class ControlPlane:
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.engine_task: asyncio.Task | None = None
+        self.metrics_server = None  # (controlplane/metrics.py)
 
     def _on_link_change(self, attached: bool) -> None:
         self.engine.on_link_change(attached)
@@ -144,6 +147,11 @@ class ControlPlane:
             self.port = await self._start_grpc(servicer)
         log.info("serving gRPC on %s:%d; data planes connect to %s", self.config.grpc.host,
                  self.port, self.config.dataplane_address)
+        if self.config.metrics_port is not None:
+            self.metrics_server, _, port = serve_metrics(self.engine, self.config.grpc.host,
+                                                         self.config.metrics_port)
+            log.info("serving Prometheus metrics on http://%s:%d/metrics", self.config.grpc.host,
+                     port)
         return self.port
 
     async def _start_frontends(self, servicer: GenerationServicer) -> int:
@@ -200,6 +208,8 @@ class ControlPlane:
         await self.stop()
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         if self.server is not None:
             log.info("stopping the gRPC server")
             await self.server.stop(grace_s)

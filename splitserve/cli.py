@@ -63,7 +63,7 @@ def _controlplane_config(args: argparse.Namespace, model: pathlib.Path, address:
         stream_interval=args.stream_interval, pipeline_depth=args.pipeline_depth,
         reattach_timeout_s=args.reattach_timeout,
         drain_timeout_s=args.drain_timeout, link=_link_config(args, server=True),
-        num_frontends=args.frontends)
+        num_frontends=args.frontends, metrics_port=args.metrics_port)
 
 
 def _spawn(argv: list[str], name: str):

@@ -44,6 +44,9 @@ def _add_api(p: argparse.ArgumentParser) -> None:
                    help="queue bound: requests that wait for a free sequence slot "
                         "(--max-num-seqs); beyond it Generate fails fast with RESOURCE_EXHAUSTED "
                         "(0: no queue) (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (vLLM's names "
+                        "under splitserve:; 0: a free port, logged) (default: off)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="largest top-N a request may ask for (default %(default)s)")
     p.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",

@@ -59,7 +59,7 @@ class Container:
         args = command[1:]
         out = []
         for previous, arg in zip([None, *args], args):
-            if previous == "--port":
+            if previous in ("--port", "--metrics-port"):
                 arg = str(self.own_ports[int(arg)])
             elif previous == "--host" and arg == "0.0.0.0":
                 arg = LOOPBACK  # tests never listen on every interface

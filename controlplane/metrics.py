@@ -1,0 +1,111 @@
+"""Prometheus metrics of the engine, under vLLM's names with `splitserve:` for `vllm:`, so that
+dashboards and alerts written for vLLM carry over: served over HTTP at `/metrics` when
+`--metrics-port` is given (`serve_metrics`).
+
+Per-request figures (time to first token, end-to-end latency, time per output token, how
+requests ended) are observed by the engine as requests pass those points (`RequestMetrics`);
+everything else is read from the engine when Prometheus scrapes (`EngineCollector`), so that
+the per-step path pays nothing for it.
+"""
+
+import threading
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from controlplane.request import FinishReason, Request
+
+PREFIX = "splitserve:"
+# vLLM's buckets for these histograms
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class RequestMetrics:
+    """What the engine observes of each request: its first token, its end, and the tokens it
+    admits and produces (plain integers: one addition per request or per step)."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds",
+                              "Time from arrival to the first output token", registry=None,
+                              buckets=_TTFT_BUCKETS)
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds",
+                             "Time from arrival to the end of the request", registry=None,
+                             buckets=_E2E_BUCKETS)
+        self.tpot = Histogram(f"{PREFIX}request_time_per_output_token_seconds",
+                              "A request's mean time per output token after its first",
+                              registry=None, buckets=_TPOT_BUCKETS)
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.reason_to_count = {reason: 0 for reason in FinishReason}
+
+    def admitted(self, request: Request) -> None:
+        self.num_prompt_tokens += request.num_prompt_tokens
+
+    def first_token(self, request: Request) -> None:
+        request.first_token_time = time.monotonic()
+        self.ttft.observe(request.first_token_time - request.arrival_time)
+
+    def finished(self, request: Request, reason: FinishReason) -> None:
+        now = time.monotonic()
+        self.reason_to_count[reason] += 1
+        self.e2e.observe(now - request.arrival_time)
+        first = request.first_token_time
+        if first is not None and request.num_output_tokens > 1:
+            self.tpot.observe((now - first) / (request.num_output_tokens - 1))
+
+
+class EngineCollector(Collector):
+    """The engine's state and counters, read at each scrape. (Reads of ints and lengths, safe
+    from the HTTP server's thread: nothing here iterates a structure the loop changes.)"""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        e = self.engine
+        m = e.metrics
+        running, waiting, used, total = e.load()
+        yield _gauge("num_requests_running", "Requests in the running set", running)
+        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled", waiting)
+        yield _gauge("kv_cache_usage_perc", "Fraction of the KV cache's blocks in use (0-1)",
+                     used / total if total else 0.0)
+        yield _gauge("num_kv_blocks", "KV cache blocks the attached data plane holds", total)
+        yield _gauge("dataplane_attached", "1 while a data plane is attached", int(e.is_serving))
+        yield _counter("prompt_tokens", "Prompt tokens of admitted requests", m.num_prompt_tokens)
+        yield _counter("generation_tokens", "Output tokens sampled", m.num_generation_tokens)
+        yield _counter("num_preemptions", "Requests preempted (recomputed later)",
+                       e.num_preemptions)
+        yield _counter("dataplane_losses", "Data planes lost", e.num_dataplane_losses)
+        yield _counter("engine_steps", "Steps the data plane answered", e.num_steps)
+        success = CounterMetricFamily(f"{PREFIX}request_success", "Requests ended, by how",
+                                      labels=["finished_reason"])
+        for reason, count in m.reason_to_count.items():
+            success.add_metric([reason.value], count)
+        yield success
+        for histogram in (m.ttft, m.e2e, m.tpot):
+            yield from histogram.collect()
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}{name}", documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)
+
+
+def serve_metrics(engine, host: str, port: int) -> tuple[object, threading.Thread, int]:
+    """Serve the engine's metrics at http://host:port/metrics from a thread (prometheus_client's
+    own server). Returns the server (`shutdown()` stops it), its thread and the bound port."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return server, thread, server.server_port
