@@ -95,12 +95,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not self.engine.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining" if
                                 self.engine.draining else "no data plane is attached")
-        num_queued = self.engine.num_queued(num_new=1)  # with this request
-        if num_queued > self.max_waiting_requests:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no sequence slot (--max-num-seqs) is free and {num_queued - 1} "
-                                f"requests wait for one, the limit (--max-waiting-requests) is "
-                                f"{self.max_waiting_requests}; retry later")
+        await self._refuse_beyond_the_queue_bound(context)
         limits = self.limits()
         try:
             validate_request_id(request.request_id, limits)
@@ -108,6 +103,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             params = sampling_params(request.sampling, len(prompt), limits)
         except ValidationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await self._refuse_beyond_the_queue_bound(context)  # others came while it tokenized
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.engine.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
@@ -118,6 +114,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except NotAccepting as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return request_id, stream
+
+    async def _refuse_beyond_the_queue_bound(self, context: grpc.aio.ServicerContext) -> None:
+        num_queued = self.engine.num_queued(num_new=1)  # with this request
+        if num_queued > self.max_waiting_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no sequence slot (--max-num-seqs) is free and {num_queued - 1} "
+                                f"requests wait for one, the limit (--max-waiting-requests) is "
+                                f"{self.max_waiting_requests}; retry later")
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         request_id, stream = await self.open_stream(request, context)
