@@ -3,6 +3,8 @@ event loop, on the test checkpoints' byte-level tokenizer."""
 
 import asyncio
 
+import pytest
+
 from controlplane.tokenizer import Tokenizer
 from dataplane.checkpoints import build_tokenizer
 
@@ -48,25 +50,18 @@ def test_the_end_of_stream_gives_an_unfinished_characters_bytes_as_a_whole_decod
             assert feed(token_ids[:n], stop) == (TOKENIZER.decode(token_ids[:n]), False)
 
 
-def test_a_long_text_is_encoded_while_the_event_loop_keeps_turning():
-    text = "the quick brown fox jumps over the lazy dog " * 25_000  # 1.1 MB
+TEXT = "the quick brown fox jumps over the lazy dog " * 25_000  # 1.1 MB
+IDS = [ord(c) for c in TEXT]
 
+
+@pytest.mark.parametrize("off_loop, on_loop, data", [
+    (TOKENIZER.encode_off_loop, TOKENIZER.encode, TEXT),
+    (TOKENIZER.decode_off_loop, TOKENIZER.decode, IDS)], ids=["encode", "decode"])
+def test_a_long_input_is_coded_while_the_event_loop_keeps_turning(off_loop, on_loop, data):
     async def run():
-        encoding = asyncio.create_task(TOKENIZER.encode_off_loop(text))
+        coding = asyncio.create_task(off_loop(data))
         await asyncio.sleep(0)  # the task has started: on the loop, it would have finished
-        assert not encoding.done()
-        return await encoding
+        assert not coding.done()
+        return await coding
 
-    assert asyncio.run(run()) == TOKENIZER.encode(text)
-
-
-def test_many_ids_are_decoded_while_the_event_loop_keeps_turning():
-    token_ids = [ord(c) for c in "the quick brown fox jumps over the lazy dog "] * 25_000
-
-    async def run():
-        decoding = asyncio.create_task(TOKENIZER.decode_off_loop(token_ids))
-        await asyncio.sleep(0)  # the task has started: on the loop, it would have finished
-        assert not decoding.done()
-        return await decoding
-
-    assert asyncio.run(run()) == TOKENIZER.decode(token_ids)
+    assert asyncio.run(run()) == on_loop(data)
