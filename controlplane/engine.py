@@ -372,8 +372,9 @@ class Engine:
 
     def _process(self, out: SchedulerOutput, tokens: list[int],
                  logprobs: list[TokenLogprobs | None]) -> None:
-        self.metrics.num_generation_tokens += len(tokens)
-        for request, index in self.scheduler.update(out, tokens):
+        produced = self.scheduler.update(out, tokens)  # (not tokens of requests that ended)
+        self.metrics.num_generation_tokens += len(produced)
+        for request, index in produced:
             try:
                 self._emit(request, tokens[index], logprobs[index])
             except Exception:  # a fault in one request's processing fails that request only

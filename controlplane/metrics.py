@@ -19,6 +19,12 @@ from prometheus_client.registry import Collector
 from controlplane.request import FinishReason, Request
 
 PREFIX = "splitserve:"
+# request_success_total's finished_reason: vLLM's values where it has the case (EOS and stop
+# strings or ids are all "stop" there)
+_REASON_LABELS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop",
+                  FinishReason.STOP: "stop", FinishReason.ABORTED: "abort",
+                  FinishReason.ERROR: "error", FinishReason.UNAVAILABLE: "unavailable",
+                  FinishReason.SHUTDOWN: "shutdown"}
 # vLLM's buckets for these histograms
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -44,7 +50,7 @@ class RequestMetrics:
                               registry=None, buckets=_TPOT_BUCKETS)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.reason_to_count = {reason: 0 for reason in FinishReason}
+        self.reason_to_count = {label: 0 for label in _REASON_LABELS.values()}
 
     def admitted(self, request: Request) -> None:
         self.num_prompt_tokens += request.num_prompt_tokens
@@ -55,7 +61,7 @@ class RequestMetrics:
 
     def finished(self, request: Request, reason: FinishReason) -> None:
         now = time.monotonic()
-        self.reason_to_count[reason] += 1
+        self.reason_to_count[_REASON_LABELS[reason]] += 1
         self.e2e.observe(now - request.arrival_time)
         first = request.first_token_time
         if first is not None and request.num_output_tokens > 1:
@@ -63,49 +69,59 @@ class RequestMetrics:
 
 
 class EngineCollector(Collector):
-    """The engine's state and counters, read at each scrape. (Reads of ints and lengths, safe
-    from the HTTP server's thread: nothing here iterates a structure the loop changes.)"""
+    """The engine's state and counters, read at each scrape, every metric labelled with the
+    model's name as vLLM's are (dashboards filter on model_name). (Reads of ints and lengths,
+    safe from the HTTP server's thread: nothing here iterates a structure the loop changes.)"""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, model_name: str) -> None:
         self.engine = engine
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         e = self.engine
         m = e.metrics
         running, waiting, used, total = e.load()
-        yield _gauge("num_requests_running", "Requests in the running set", running)
-        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled", waiting)
-        yield _gauge("kv_cache_usage_perc", "Fraction of the KV cache's blocks in use (0-1)",
-                     used / total if total else 0.0)
-        yield _gauge("num_kv_blocks", "KV cache blocks the attached data plane holds", total)
-        yield _gauge("dataplane_attached", "1 while a data plane is attached", int(e.is_serving))
-        yield _counter("prompt_tokens", "Prompt tokens of admitted requests", m.num_prompt_tokens)
-        yield _counter("generation_tokens", "Output tokens sampled", m.num_generation_tokens)
-        yield _counter("num_preemptions", "Requests preempted (recomputed later)",
-                       e.num_preemptions)
-        yield _counter("dataplane_losses", "Data planes lost", e.num_dataplane_losses)
-        yield _counter("engine_steps", "Steps the data plane answered", e.num_steps)
+        for kind, name, documentation, value in (
+                (GaugeMetricFamily, "num_requests_running", "Requests in the running set", running),
+                (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled",
+                 waiting),
+                (GaugeMetricFamily, "kv_cache_usage_perc",
+                 "Fraction of the KV cache's blocks in use (0-1)", used / total if total else 0.0),
+                (GaugeMetricFamily, "num_kv_blocks",
+                 "KV cache blocks the attached data plane holds", total),
+                (GaugeMetricFamily, "dataplane_attached", "1 while a data plane is attached",
+                 int(e.is_serving)),
+                (CounterMetricFamily, "prompt_tokens", "Prompt tokens of admitted requests",
+                 m.num_prompt_tokens),
+                (CounterMetricFamily, "generation_tokens", "Output tokens of requests",
+                 m.num_generation_tokens),
+                (CounterMetricFamily, "num_preemptions", "Requests preempted (recomputed later)",
+                 e.num_preemptions),
+                (CounterMetricFamily, "dataplane_losses", "Data planes lost",
+                 e.num_dataplane_losses),
+                (CounterMetricFamily, "engine_steps", "Steps the data plane answered",
+                 e.num_steps)):
+            family = kind(f"{PREFIX}{name}", documentation, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
         success = CounterMetricFamily(f"{PREFIX}request_success", "Requests ended, by how",
-                                      labels=["finished_reason"])
-        for reason, count in m.reason_to_count.items():
-            success.add_metric([reason.value], count)
+                                      labels=["model_name", "finished_reason"])
+        for label, count in m.reason_to_count.items():
+            success.add_metric([self.model_name, label], count)
         yield success
         for histogram in (m.ttft, m.e2e, m.tpot):
-            yield from histogram.collect()
+            for family in histogram.collect():
+                family.samples = [sample._replace(labels={"model_name": self.model_name,
+                                                          **sample.labels})
+                                  for sample in family.samples]
+                yield family
 
 
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"{PREFIX}{name}", documentation, value=value)
-
-
-def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)
-
-
-def serve_metrics(engine, host: str, port: int) -> tuple[object, threading.Thread, int]:
+def serve_metrics(engine, model_name: str, host: str, port: int
+                  ) -> tuple[object, threading.Thread, int]:
     """Serve the engine's metrics at http://host:port/metrics from a thread (prometheus_client's
     own server). Returns the server (`shutdown()` stops it), its thread and the bound port."""
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine))
+    registry.register(EngineCollector(engine, model_name))
     server, thread = start_http_server(port, addr=host, registry=registry)
     return server, thread, server.server_port

@@ -148,8 +148,8 @@ class ControlPlane:
         log.info("serving gRPC on %s:%d; data planes connect to %s", self.config.grpc.host,
                  self.port, self.config.dataplane_address)
         if self.config.metrics_port is not None:
-            self.metrics_server, _, port = serve_metrics(self.engine, self.config.grpc.host,
-                                                         self.config.metrics_port)
+            self.metrics_server, _, port = serve_metrics(
+                self.engine, self.model.name, self.config.grpc.host, self.config.metrics_port)
             log.info("serving Prometheus metrics on http://%s:%d/metrics", self.config.grpc.host,
                      port)
         return self.port

@@ -98,7 +98,8 @@ class Client:
     def generate_stream(self, prompt: str | Sequence[int], *, request_id: str = "",
                         timeout: float | None = None, **sampling
                         ) -> Iterator[generation_pb2.GenerateResponse]:
-        """Stream chunks; cancelling the iterator (close()) cancels the request on the server."""
+        """Stream chunks; cancelling the call (its cancel()) cancels the request on the
+        server."""
         return self.stub.Generate(build_request(prompt, request_id, **sampling), timeout=timeout,
                                   metadata=self.metadata)
 
