@@ -16,8 +16,45 @@ never load torch.
 
 import argparse
 import pathlib
+import re
 
 DEFAULT_PORT = 50051
+
+
+def _number(kind: type, low: float, high: float | None = None, *, above: bool = False):
+    """An argparse type: a `kind` at least `low` (above it with `above`) and at most `high`; a
+    value outside is a usage error naming the range, not a traceback from deep inside."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: "
+                                             f"{text!r}") from None
+        if value < low or (above and value == low) or (high is not None and value > high):
+            bound = f"> {low}" if above else f">= {low}"
+            raise argparse.ArgumentTypeError(
+                f"must be {bound}{f' and <= {high}' if high is not None else ''}, not {text}")
+        return value
+    parse.__name__ = kind.__name__  # (argparse names the type in its messages)
+    return parse
+
+
+_PORT = _number(int, 0, 65535)
+_POSITIVE = _number(int, 1)
+_COUNT = _number(int, 0)
+_SECONDS = _number(float, 0)
+_POSITIVE_SECONDS = _number(float, 0, above=True)
+_ZMQ_ADDRESS = re.compile(r"(tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]]+):(\d{1,5})|ipc://.+|inproc://.+)")
+
+
+def _zmq_address(text: str) -> str:
+    """tcp://HOST:PORT, ipc://PATH or inproc://NAME, checked here: ZeroMQ's own error comes
+    from the link's thread, which the process outlives."""
+    match = _ZMQ_ADDRESS.fullmatch(text)
+    if match is None or (match[3] is not None and not 0 < int(match[3]) <= 65535):
+        raise argparse.ArgumentTypeError(f"not a ZeroMQ address (tcp://HOST:PORT, ipc://PATH): "
+                                         f"{text!r}")
+    return text
 
 
 def _add_model(p: argparse.ArgumentParser, required: bool) -> None:
@@ -30,48 +67,48 @@ def _add_model(p: argparse.ArgumentParser, required: bool) -> None:
 
 def _add_api(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="gRPC listen address (default %(default)s)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+    p.add_argument("--port", type=_PORT, default=DEFAULT_PORT,
                    help="gRPC port; 0 picks a free one (default %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=256,
+    p.add_argument("--max-num-seqs", type=_POSITIVE, default=256,
                    help="most requests in one step (default %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+    p.add_argument("--max-num-batched-tokens", type=_POSITIVE, default=8192,
                    help="token budget of one step; longer prompts are prefilled in chunks "
                         "(default %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=_POSITIVE, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    p.add_argument("--max-waiting-requests", type=int, default=1024,
+    p.add_argument("--max-waiting-requests", type=_COUNT, default=1024,
                    help="queue bound: requests that wait for a free sequence slot "
                         "(--max-num-seqs); beyond it Generate fails fast with RESOURCE_EXHAUSTED "
                         "(0: no queue) (default %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    p.add_argument("--metrics-port", type=_PORT, default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (vLLM's names "
                         "under splitserve:; 0: a free port, logged) (default: off)")
-    p.add_argument("--max-logprobs", type=int, default=20,
+    p.add_argument("--max-logprobs", type=_COUNT, default=20,
                    help="largest top-N a request may ask for (default %(default)s)")
-    p.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
+    p.add_argument("--stream-interval", type=_POSITIVE, default=1, metavar="TOKENS",
                    help="a stream message waits for this many tokens (the last one may have "
                         "fewer): larger values send fewer messages, for less control-plane CPU "
                         "per token with many streams (default %(default)s). Tokens that pile up "
                         "while a message is being written go out together in any case")
-    p.add_argument("--pipeline-depth", type=int, default=3, metavar="STEPS",
+    p.add_argument("--pipeline-depth", type=_POSITIVE, default=3, metavar="STEPS",
                    help="steps in flight at once: with 2 the next step is scheduled and sent "
                         "while the data plane runs the current one; 3 keeps one more queued on "
                         "the device, so that a host that turns a step around late still finds "
                         "it busy (a new request waits one step more for its first token) "
                         "(default %(default)s)")
-    p.add_argument("--frontends", type=int, default=1, metavar="N",
+    p.add_argument("--frontends", type=_COUNT, default=1, metavar="N",
                    help="gRPC front-end processes: they hold the client connections and write "
                         "the stream messages, so that the engine's loop does not; they share "
                         "the port and gRPC's own bound on concurrent RPCs; 0 serves gRPC in the "
                         "engine's process (default %(default)s)")
     _add_grpc_security(p)
-    p.add_argument("--reattach-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--reattach-timeout", type=_SECONDS, default=30.0, metavar="SECONDS",
                    help="after a data-plane loss, how long requests wait for one to (re)attach "
                         "before they end UNAVAILABLE (default %(default)s)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--drain-timeout", type=_SECONDS, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long live requests may still run (default %(default)s)")
-    p.add_argument("--step-timeout", type=float, default=120.0, metavar="SECONDS",
+    p.add_argument("--step-timeout", type=_POSITIVE_SECONDS, default=120.0, metavar="SECONDS",
                    help="cap on a step's deadline; within it the deadline follows observed "
                         "step times (default %(default)s)")
 
@@ -93,18 +130,19 @@ def _add_supervised(p: argparse.ArgumentParser) -> None:
 
 def _add_dataplane(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default %(default)s)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default %(default)s)")
+    p.add_argument("--tp", type=_POSITIVE, default=1,
+                   help="tensor-parallel ranks (default %(default)s)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="auto: the checkpoint's dtype (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--block-size", type=_POSITIVE, default=None,
                    help="tokens per KV block, unless the attention backend needs another "
                         "(flash_attn forces 128, 256 with FlashAttention 2.x); default: the "
                         "backend's fastest, 128 for triton_fa4, else 16")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
+    p.add_argument("--num-kv-blocks", type=_POSITIVE, default=None,
                    help="cap on the number of KV blocks (small-memory runs, tests)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+    p.add_argument("--kv-cache-gib", type=_number(float, 0, above=True), default=1.0,
                    help="KV cache budget per rank on CPU, GiB (default %(default)s)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    p.add_argument("--gpu-memory-utilization", type=_number(float, 0, 1, above=True), default=0.9,
                    help="share of each GPU's memory the data plane may hold; the KV cache gets "
                         "what weights, a profiled worst-case step and the CUDA graphs' memory "
                         "leave (default %(default)s)")
@@ -173,7 +211,7 @@ def _add_controlplane_command(sub: argparse._SubParsersAction) -> None:
     """The control plane alone, binding the link for data planes."""
     cp = sub.add_parser("controlplane", help="the control plane alone")
     _add_model(cp, required=True)
-    cp.add_argument("--dataplane-address", required=True,
+    cp.add_argument("--dataplane-address", required=True, type=_zmq_address,
                     help="ZeroMQ endpoint to bind for data planes, e.g. tcp://0.0.0.0:5555")
     cp.add_argument("--link-secret-key", type=pathlib.Path, default=None,
                     help="CURVE: this control plane's secret key file (splitserve link-keys)")
@@ -187,7 +225,7 @@ def _add_dataplane_command(sub: argparse._SubParsersAction) -> None:
     """The data plane alone, connecting to a control plane."""
     dp = sub.add_parser("dataplane", help="the data plane alone")
     _add_model(dp, required=True)
-    dp.add_argument("--controlplane-address", required=True,
+    dp.add_argument("--controlplane-address", required=True, type=_zmq_address,
                     help="the control plane's ZeroMQ endpoint, e.g. tcp://controlplane:5555")
     _add_dataplane(dp)
     dp.add_argument("--rank", type=int, default=None,
@@ -201,7 +239,7 @@ def _add_dataplane_command(sub: argparse._SubParsersAction) -> None:
                     help="CURVE: this data plane's secret key file (splitserve link-keys)")
     dp.add_argument("--link-server-key", type=pathlib.Path, default=None,
                     help="CURVE: the control plane's public key file")
-    dp.add_argument("--controlplane-grace", type=float, default=30.0, metavar="SECONDS",
+    dp.add_argument("--controlplane-grace", type=_SECONDS, default=30.0, metavar="SECONDS",
                     help="exit when no control plane was heard for this long after one was "
                          "(default %(default)s)")
     _add_supervised(dp)
@@ -213,7 +251,7 @@ def _add_frontend_command(sub: argparse._SubParsersAction) -> None:
     fe = sub.add_parser("frontend", help="(internal) a gRPC front-end of a control plane")
     fe.add_argument("--engine-address", required=True, help="the engine process's ipc:// socket")
     fe.add_argument("--host", default="127.0.0.1")
-    fe.add_argument("--port", type=int, required=True)
+    fe.add_argument("--port", type=_PORT, required=True)
     fe.add_argument("--max-concurrent-rpcs", type=int, default=None)
     _add_grpc_security(fe)
     _add_supervised(fe)
@@ -227,19 +265,19 @@ def _add_generate_command(sub: argparse._SubParsersAction) -> None:
                                      "Unset sampling flags take the server's defaults.")
     gen.add_argument("prompt")
     _add_client(gen)
-    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--max-tokens", type=_POSITIVE, default=None)
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1)")
     gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-k", type=_number(int, -1), default=None)
     gen.add_argument("--min-p", type=float, default=None)
     gen.add_argument("--presence-penalty", type=float, default=None)
     gen.add_argument("--frequency-penalty", type=float, default=None)
     gen.add_argument("--repetition-penalty", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=_number(int, 0, 2**64 - 1), default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append",
+    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=_COUNT, action="append",
                      default=None, help="stop token id (repeatable)")
-    gen.add_argument("--min-tokens", type=int, default=None)
+    gen.add_argument("--min-tokens", type=_COUNT, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")

@@ -74,3 +74,20 @@ def test_serve_with_invalid_flags_exits_at_once_with_the_reason(checkpoints):
                         "--tls-cert", "cert.pem", timeout=60)
     assert result.returncode != 0
     assert "--tls-cert and --tls-key go together" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--tp", "0"], "argument --tp: must be >= 1, not 0"),
+    (["serve", "--port", "70000"], "argument --port: must be >= 0 and <= 65535, not 70000"),
+    (["serve", "--gpu-memory-utilization", "1.5"], "must be > 0 and <= 1, not 1.5"),
+    (["serve", "--max-model-len", "0"], "argument --max-model-len: must be >= 1, not 0"),
+    (["dataplane", "--model", "m", "--controlplane-address", "127.0.0.1:5555"],
+     "argument --controlplane-address: not a ZeroMQ address"),
+    (["generate", "--seed", "-1", "hi"], "argument --seed: must be >= 0"),
+], ids=["tp", "port", "memory", "max-model-len", "address", "seed"])
+def test_a_flag_out_of_its_range_is_a_usage_error_before_anything_starts(args, message):
+    """serve restarted a data plane that died of --tp 0 for two minutes; a data plane given a
+    malformed address lost its link thread and hung, passing its liveness probe."""
+    result = splitserve(*args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
