@@ -6,6 +6,8 @@ import json
 import pathlib
 from dataclasses import dataclass
 
+from common.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -20,18 +22,22 @@ class ModelInfo:
     @classmethod
     def from_dir(cls, model_dir: str | pathlib.Path) -> "ModelInfo":
         path = pathlib.Path(model_dir)
-        raw = (path / "config.json").read_bytes()
-        config = json.loads(raw)
-        architectures = config.get("architectures") or ["unknown"]
-        return cls(
-            name=path.resolve().name,
-            fingerprint=hashlib.sha256(raw).hexdigest(),
-            architecture=architectures[0],
-            vocab_size=int(config["vocab_size"]),
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            eos_token_ids=_eos_token_ids(path, config),
-            dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-        )
+        try:
+            raw = (path / "config.json").read_bytes()
+            config = json.loads(raw)
+            architectures = config.get("architectures") or ["unknown"]
+            return cls(
+                name=path.resolve().name,
+                fingerprint=hashlib.sha256(raw).hexdigest(),
+                architecture=architectures[0],
+                vocab_size=int(config["vocab_size"]),
+                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+                eos_token_ids=_eos_token_ids(path, config),
+                dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            )
+        except (OSError, ValueError, KeyError, AttributeError) as e:  # (JSONDecodeError: Value)
+            raise ConfigError(f"{path} is not a Hugging Face checkpoint directory: "
+                              f"{type(e).__name__}: {e}") from e
 
 
 def _eos_token_ids(path: pathlib.Path, config: dict) -> tuple[int, ...]:

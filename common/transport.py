@@ -14,6 +14,8 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 
+from common.errors import ConfigError
+
 PROTOCOL_VERSION = 1
 log = logging.getLogger("splitserve.transport")
 
@@ -162,14 +164,25 @@ def free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
-def reserve_tcp_port(host: str) -> socket.socket:
-    """A socket bound to a free TCP port of `host` ("[::]" as gRPC writes it, too) with
-    SO_REUSEPORT, not listening: while it is open only sockets that set SO_REUSEPORT as well
-    (gRPC's do; a program of another user cannot) can bind the port; it gets no connections,
-    as it does not listen. Holds the first address `host` resolves to (for "localhost", not
-    both). Read the port with getsockname()[1]; close it when the port is no longer needed."""
+def reserve_tcp_port(host: str, port: int = 0) -> socket.socket:
+    """A socket bound to `port` of `host` ("[::]" as gRPC writes it, too; port 0: a free one)
+    with SO_REUSEPORT, not listening: while it is open only sockets that set SO_REUSEPORT as
+    well (gRPC's do; a program of another user cannot) can bind the port; it gets no
+    connections, as it does not listen. Holds the first address `host` resolves to (for
+    "localhost", not both). Read the port with getsockname()[1]; close it when the port is no
+    longer needed. A given port must be free (ConfigError): gRPC's SO_REUSEPORT would let a
+    second server of this user share it with the first, each getting some of the clients."""
     family, kind, proto, _, address = socket.getaddrinfo(
-        host.strip("[]"), 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    if port:
+        with socket.socket(family, kind, proto) as probe:
+            # (a restarted server's old connections in TIME_WAIT do not count)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                raise ConfigError(f"port {port} of {host} is in use (another server?): "
+                                  f"{e.strerror}") from None
     holder = socket.socket(family, kind, proto)
     try:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.errors import ConfigError
 from controlplane.request import FinishReason, Request
 
 PREFIX = "splitserve:"
@@ -123,5 +124,8 @@ def serve_metrics(engine, model_name: str, host: str, port: int
     own server). Returns the server (`shutdown()` stops it), its thread and the bound port."""
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine, model_name))
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:  # (the host as gRPC takes it: "[::]" too)
+        server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
+    except OSError as e:
+        raise ConfigError(f"--metrics-port {port} of {host}: {e.strerror or e}") from None
     return server, thread, server.server_port

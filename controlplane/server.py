@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 from grpc_health.v1 import health
 
+from common.errors import ConfigError
 from common.model_info import ModelInfo
 from common.transport import LinkConfig, private_ipc_address, reserve_tcp_port
 from controlplane.api_server import GenerationServicer
@@ -70,8 +71,8 @@ class ControlPlaneConfig:
     def engine_config(self, model: ModelInfo) -> EngineConfig:
         max_model_len = self.max_model_len or model.max_position_embeddings
         if max_model_len > model.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                             f"max_position_embeddings {model.max_position_embeddings}")
+            raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's "
+                              f"max_position_embeddings {model.max_position_embeddings}")
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                     max_num_batched_tokens=self.max_num_batched_tokens,
                                     max_model_len=max_model_len,
@@ -155,13 +156,11 @@ class ControlPlane:
         return self.port
 
     async def _start_frontends(self, servicer: GenerationServicer) -> int:
-        # Every front-end binds the same port (gRPC sets SO_REUSEPORT), so one is chosen here;
-        # a port chosen here stays reserved while the server runs (a restarted front-end binds
-        # it again later).
-        port = self.config.grpc.port
-        if not port:
-            self._port_reservation = reserve_tcp_port(self.config.grpc.host)
-            port = self._port_reservation.getsockname()[1]
+        # Every front-end binds the same port (gRPC sets SO_REUSEPORT), so it is chosen (port 0)
+        # or checked free here, and stays reserved while the server runs: a restarted front-end
+        # binds it again later, another server cannot.
+        self._port_reservation = reserve_tcp_port(self.config.grpc.host, self.config.grpc.port)
+        port = self._port_reservation.getsockname()[1]
         address = private_ipc_address("frontend")
         self.frontend_link = FrontendLink(address, servicer, serving=lambda: self.is_serving)
         started = asyncio.Event()
@@ -192,6 +191,8 @@ class ControlPlane:
 
     async def _start_grpc(self, servicer: GenerationServicer) -> int:
         c = self.config
+        if c.grpc.port:  # free (gRPC's SO_REUSEPORT would share it with another server)
+            reserve_tcp_port(c.grpc.host, c.grpc.port).close()
         self.server, port = await start_server(
             lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
             self.health, replace(c.grpc, max_concurrent_rpcs=c.max_concurrent_rpcs))

@@ -7,6 +7,8 @@ import pathlib
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from common.errors import ConfigError
+
 
 # Texts up to this long are encoded, and lists of ids this long decoded, on the event loop (a
 # few milliseconds): a thread hop costs more than it saves there.
@@ -24,7 +26,7 @@ class Tokenizer:
     def from_dir(cls, model_dir: str | pathlib.Path, model_vocab_size: int) -> "Tokenizer":
         path = pathlib.Path(model_dir) / "tokenizer.json"
         if not path.exists():
-            raise FileNotFoundError(f"{path} not found: the control plane needs the checkpoint's "
+            raise ConfigError(f"{path} not found: the control plane needs the checkpoint's "
                                     "tokenizer.json")
         return cls(_HFTokenizer.from_file(str(path)), model_vocab_size)
 

@@ -11,6 +11,7 @@ import pathlib
 import signal
 import sys
 
+from common.errors import ConfigError
 from splitserve.cli_parser import build_parser
 
 
@@ -99,12 +100,13 @@ async def _serve(args: argparse.Namespace) -> None:
 
     model = args.model or ensure_default_model()
     address = private_ipc_address()
-    config = _controlplane_config(args, model, address)  # invalid flags fail before any child
+    # invalid flags and model directories fail before any child starts; a data plane the
+    # control plane gave up on (hung, frozen) is killed and started again
+    control_plane = ControlPlane(_controlplane_config(args, model, address),
+                                 on_dataplane_lost=lambda: supervisor.restart(), spawn=_spawn)
     supervisor = _spawn(["dataplane", *_dataplane_argv(args, model, address)], "data plane")
     try:
-        # A data plane the control plane gave up on (hung, frozen) is killed and started again.
-        await run_until_signal(ControlPlane(config, on_dataplane_lost=supervisor.restart,
-                                            spawn=_spawn), children=[supervisor])
+        await run_until_signal(control_plane, children=[supervisor])
     finally:
         logging.getLogger("splitserve.supervisor").info("stopping the data plane")
         await supervisor.stop()
@@ -126,6 +128,8 @@ async def _frontend(args: argparse.Namespace) -> None:
 
 
 def _dataplane(args: argparse.Namespace, argv: list[str]) -> None:
+    from common.model_info import ModelInfo
+    ModelInfo.from_dir(args.model)  # a wrong directory fails here, in one line, before torch
     from dataplane.main import DataPlaneConfig, run
     from dataplane.model_runner import RunnerConfig
     runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
@@ -201,6 +205,14 @@ def _health(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args, argv)
+    except ConfigError as e:  # a wrong flag value or directory: one line, as argparse's errors
+        print(f"splitserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     # `kill -USR1 <pid>` prints every thread's stack to stderr: for a process that seems stuck.
     faulthandler.register(signal.SIGUSR1)
     if hasattr(args, "log_level"):

@@ -91,3 +91,16 @@ def test_a_flag_out_of_its_range_is_a_usage_error_before_anything_starts(args, m
     result = splitserve(*args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("frontends", ["1", "0"])
+def test_serve_on_a_port_another_server_holds_fails_instead_of_sharing_it(server, checkpoints,
+                                                                            frontends):
+    """gRPC binds with SO_REUSEPORT: a second server on the port started and took some of the
+    first one's new connections."""
+    result = splitserve("serve", "--model", str(checkpoints["untied"]), "--port",
+                        str(server.port), "--frontends", frontends, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"port {server.port} of 127.0.0.1 is in use" in result.stderr.splitlines()[-1]
+    assert "Traceback" not in result.stderr
+    assert server.client.model_info().max_model_len  # the first one still serves

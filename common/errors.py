@@ -1,0 +1,6 @@
+"""Errors both planes and the command line share."""
+
+
+class ConfigError(Exception):
+    """Something the user gave is wrong: a flag's value, a model directory, a port in use. The
+    `splitserve` command prints it as one line and exits 2, as argparse does for its own."""
