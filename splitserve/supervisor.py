@@ -1,5 +1,7 @@
 """Keeps a locally spawned child running (the data plane of `splitserve serve`, the control
-plane's gRPC front-ends): restarts it with exponential backoff, within a crash budget. The child
+plane's gRPC front-ends): restarts it with exponential backoff, and gives up after more than
+`max_restarts` exits in a row each within `healthy_after_s` of its start (a crash loop; one that
+ran longer is a fresh crash: it starts the count and the backoff anew). The child
 dies with this process (--parent-pid) and runs in a session of its own, so a signal to this
 process's group (Ctrl-C, `docker stop` through dumb-init) reaches only this process, which
 drains and then stops its children in order."""
@@ -15,25 +17,25 @@ log = logging.getLogger("splitserve.supervisor")
 
 class Supervisor:
     def __init__(self, argv: list[str], name: str, max_restarts: int = 10,
-                 window_s: float = 120.0, max_backoff_s: float = 10.0,
-                 healthy_after_s: float = 30.0) -> None:
+                 healthy_after_s: float = 30.0, min_backoff_s: float = 0.5,
+                 max_backoff_s: float = 10.0) -> None:
         self.argv = argv
         self.name = name
         self.max_restarts = max_restarts
-        self.window_s = window_s
-        self.max_backoff_s = max_backoff_s
         self.healthy_after_s = healthy_after_s
+        self.min_backoff_s = min_backoff_s
+        self.max_backoff_s = max_backoff_s
         self.process: asyncio.subprocess.Process | None = None
         self.task: asyncio.Task | None = None  # the run loop; ends when it gives up
         self._stopping = False
-        self._restarts: list[float] = []
 
     def start(self) -> "Supervisor":
         self.task = asyncio.create_task(self.run(), name=f"supervise {self.name}")
         return self
 
     async def run(self) -> None:
-        backoff = 0.5
+        backoff = self.min_backoff_s
+        num_quick_exits = 0
         while not self._stopping:
             started = time.monotonic()
             self.process = await asyncio.create_subprocess_exec(
@@ -41,13 +43,14 @@ class Supervisor:
             code = await self.process.wait()
             if self._stopping:
                 return
-            now = time.monotonic()
-            if now - started > self.healthy_after_s:
-                backoff = 0.5  # it ran a good while: a fresh crash, not a crash loop
-            self._restarts = [t for t in self._restarts if now - t < self.window_s] + [now]
-            if len(self._restarts) > self.max_restarts:
-                log.error("%s exited (code %s) %d times in %.0fs; not restarting it again",
-                          self.name, code, len(self._restarts), self.window_s)
+            if time.monotonic() - started > self.healthy_after_s:
+                backoff, num_quick_exits = self.min_backoff_s, 0  # a fresh crash
+            else:
+                num_quick_exits += 1
+            if num_quick_exits > self.max_restarts:
+                log.error("%s exited (code %s) %d times in a row within %.0fs of its start; not "
+                          "restarting it again", self.name, code, num_quick_exits,
+                          self.healthy_after_s)
                 return
             log.warning("%s exited with code %s; restarting in %.1fs", self.name, code, backoff)
             await asyncio.sleep(backoff)
