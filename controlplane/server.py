@@ -249,10 +249,12 @@ async def run_until_signal(control_plane: ControlPlane, children: Sequence = ())
     if engine_task.done():
         await control_plane.stop()
         raise RuntimeError("the engine loop stopped") from engine_task.exception()
-    gave_up = [supervised[task] for task in done if task in supervised]
+    gave_up = [task for task in done if task in supervised]
     if gave_up:
         await control_plane.stop()
-        raise RuntimeError(f"the {gave_up[0]} keeps exiting; stopping")
+        if isinstance(gave_up[0].exception(), ConfigError):  # (it refused its flags)
+            raise gave_up[0].exception()
+        raise RuntimeError(f"the {supervised[gave_up[0]]} keeps exiting; stopping")
     _exit_if_stuck(control_plane.config.drain_timeout_s + 15)
     await control_plane.drain_and_stop()
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from common.errors import ConfigError
 from common.model_info import ModelInfo
 from common.process import die_with_parent
 from common.transport import LinkConfig
@@ -62,6 +63,9 @@ def cpu_threads(num_cores: int, tp: int) -> int:
 def run(config: DataPlaneConfig, argv: list[str]) -> None:
     if config.parent_pid is not None:
         die_with_parent(config.parent_pid)
+    if config.runner.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device (torch "
+                          f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'})")
     children, store = [], None
     if config.tp > 1 and config.rank is None:
         init_method = config.dist_init_method

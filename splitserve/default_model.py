@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+from common.errors import ConfigError
+
 DEFAULT_MODEL_NAME = "tiny-random-qwen3-v1"
 
 
@@ -23,4 +25,7 @@ def ensure_default_model(path: pathlib.Path | None = None) -> pathlib.Path:
     if not (path / "config.json").exists():
         # Written by a child process: the control plane's process never imports torch.
         subprocess.run([sys.executable, "-m", "dataplane.checkpoints", str(path)], check=True)
+        if not (path / "config.json").exists():  # (the writer took a failed rename for a race)
+            raise ConfigError(f"{path} is in the way of the default model: a file, or a "
+                              "directory that is not empty")
     return path

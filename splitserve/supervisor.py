@@ -12,7 +12,10 @@ import os
 import signal
 import time
 
+from common.errors import ConfigError
+
 log = logging.getLogger("splitserve.supervisor")
+USAGE_ERROR = 2  # the exit code of `splitserve` for a wrong flag or directory (ConfigError)
 
 
 class Supervisor:
@@ -43,6 +46,9 @@ class Supervisor:
             code = await self.process.wait()
             if self._stopping:
                 return
+            if code == USAGE_ERROR:  # it would refuse the same flags or directory again
+                raise ConfigError(f"the {self.name} refused its configuration (exit code "
+                                  f"{code}; its error is above)")
             if time.monotonic() - started > self.healthy_after_s:
                 backoff, num_quick_exits = self.min_backoff_s, 0  # a fresh crash
             else:

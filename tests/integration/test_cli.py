@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.integration import harness
 
@@ -104,3 +105,21 @@ def test_serve_on_a_port_another_server_holds_fails_instead_of_sharing_it(server
     assert f"port {server.port} of 127.0.0.1 is in use" in result.stderr.splitlines()[-1]
     assert "Traceback" not in result.stderr
     assert server.client.model_info().max_model_len  # the first one still serves
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_serve_stops_at_once_when_its_data_plane_refuses_its_flags(checkpoints):
+    """The data plane exits 2 on a configuration error; serve used to restart it until its
+    crash budget ran out, a traceback each time."""
+    result = splitserve("serve", "--model", str(checkpoints["untied"]), "--port", "0",
+                        "--device", "cuda", timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "splitserve dataplane: error: --device cuda: torch sees no CUDA device" in result.stderr
+    assert "refused its configuration" in result.stderr.splitlines()[-1]
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_model_into_a_file_is_an_error(tmp_path):
+    (tmp_path / "taken").write_text("")
+    result = splitserve("demo-model", str(tmp_path / "taken"), timeout=120)
+    assert result.returncode == 2 and "is in the way of the default model" in result.stderr
