@@ -48,7 +48,13 @@ class CurveKeys:
 
 
 def write_link_keys(directory: pathlib.Path) -> None:
-    """Key pairs for a control plane and a data plane, and the authorized-keys directory."""
+    """Key pairs for a control plane and a data plane, and the authorized-keys directory. Keys
+    already there are kept (ConfigError): planes may run with them."""
+    existing = [p.name for p in (directory / "controlplane.key_secret",
+                                 directory / "dataplane.key_secret") if p.exists()]
+    if existing or directory.is_file():
+        raise ConfigError(f"{directory} already holds {', '.join(existing) or 'a file'}; "
+                          "remove it or name another directory")
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("controlplane", "dataplane"):
         zmq.auth.create_certificates(directory, name)

@@ -51,6 +51,8 @@ def test_curve_lets_only_authorized_data_planes_in(checkpoints, tmp_path):
     model = checkpoints["untied"]
     keys = tmp_path / "keys"
     assert harness.Process(["link-keys", str(keys)], tmp_path / "keys.log").popen.wait(30) == 0
+    again = harness.Process(["link-keys", str(keys)], tmp_path / "again.log")
+    assert again.popen.wait(30) == 2 and "already holds" in again.log()  # keys in use stay
     link = f"tcp://127.0.0.1:{harness.free_port()}"
     server = harness.controlplane(model, tmp_path, link,
                                   "--link-secret-key", str(keys / "controlplane.key_secret"),
