@@ -1,6 +1,7 @@
 """ZeroMQ settings both ends of the link use, set explicitly rather than left to defaults, and
 CURVE keys for links that leave the host."""
 
+import errno
 import ipaddress
 import logging
 import os
@@ -170,33 +171,50 @@ def free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
-def reserve_tcp_port(host: str, port: int = 0) -> socket.socket:
-    """A socket bound to `port` of `host` ("[::]" as gRPC writes it, too; port 0: a free one)
-    with SO_REUSEPORT, not listening: while it is open only sockets that set SO_REUSEPORT as
-    well (gRPC's do; a program of another user cannot) can bind the port; it gets no
-    connections, as it does not listen. Holds the first address `host` resolves to (for
-    "localhost", not both). Read the port with getsockname()[1]; close it when the port is no
-    longer needed. A given port must be free (ConfigError): gRPC's SO_REUSEPORT would let a
-    second server of this user share it with the first, each getting some of the clients."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    if port:
-        with socket.socket(family, kind, proto) as probe:
-            # (a restarted server's old connections in TIME_WAIT do not count)
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(address)
-            except OSError as e:
-                raise ConfigError(f"port {port} of {host} is in use (another server?): "
-                                  f"{e.strerror}") from None
+def reserve_tcp_port(host: str) -> socket.socket:
+    """A socket bound to a free TCP port of `host` ("[::]" as gRPC writes it, too) with
+    SO_REUSEPORT, not listening: while it is open only sockets that set SO_REUSEPORT as well
+    (gRPC's do; a program of another user cannot) can bind the port; it gets no connections,
+    as it does not listen. Holds the first address `host` resolves to (for "localhost", not
+    both). Read the port with getsockname()[1]; close it when the port is no longer needed."""
+    family, kind, proto, address = _resolve(host, 0)
     holder = socket.socket(family, kind, proto)
     try:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        holder.bind(address)
-    except OSError:
+        _bind(holder, address, host, 0)
+    except ConfigError:
         holder.close()
         raise
     return holder
+
+
+def check_tcp_port_free(host: str, port: int) -> None:
+    """Raise ConfigError unless a server could bind `port` of `host`: gRPC binds with
+    SO_REUSEPORT, which would let a second server of this user share the port with the first,
+    each getting some of the clients. (Checked, not held: a held port would keep a restarted
+    server from binding over its old connections in TIME_WAIT. Two servers started in the same
+    instant can both pass.)"""
+    family, kind, proto, address = _resolve(host, port)
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (TIME_WAIT does not count)
+        _bind(probe, address, host, port)
+
+
+def _resolve(host: str, port: int) -> tuple:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: {e.strerror}") from None
+    return family, kind, proto, address
+
+
+def _bind(sock: socket.socket, address: tuple, host: str, port: int) -> None:
+    try:
+        sock.bind(address)
+    except OSError as e:
+        why = "is in use (another server?)" if e.errno == errno.EADDRINUSE else "cannot be bound"
+        raise ConfigError(f"port {port} of {host} {why}: {e.strerror}") from None
 
 
 def private_ipc_address(name: str = "link") -> str:

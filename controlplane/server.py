@@ -3,6 +3,7 @@ reflection, served by front-end processes (controlplane/frontend.py) or, with no
 this process; drain on SIGTERM."""
 
 import asyncio
+import contextlib
 import faulthandler
 import logging
 import os
@@ -19,7 +20,8 @@ from grpc_health.v1 import health
 
 from common.errors import ConfigError
 from common.model_info import ModelInfo
-from common.transport import LinkConfig, private_ipc_address, reserve_tcp_port
+from common.transport import LinkConfig, check_tcp_port_free, private_ipc_address, \
+    reserve_tcp_port
 from controlplane.api_server import GenerationServicer
 from controlplane.dataplane_link import DataPlaneLink
 from controlplane.engine import Engine, EngineConfig
@@ -137,6 +139,14 @@ class ControlPlane:
         """Bind the link, start the engine and serve gRPC (through the front-ends, once one
         reported it serves); returns the gRPC port."""
         self._refresh_health()
+        # what the user's flags may get wrong first, while there is nothing to undo
+        if self.config.grpc.port:
+            check_tcp_port_free(self.config.grpc.host, self.config.grpc.port)
+        if self.config.metrics_port is not None:
+            self.metrics_server, _, port = serve_metrics(
+                self.engine, self.model.name, self.config.grpc.host, self.config.metrics_port)
+            log.info("serving Prometheus metrics on http://%s:%d/metrics", self.config.grpc.host,
+                     port)
         await self.link.start()
         servicer = GenerationServicer(self.engine, self.model,
                                       self.engine_config.scheduler.max_model_len,
@@ -148,19 +158,16 @@ class ControlPlane:
             self.port = await self._start_grpc(servicer)
         log.info("serving gRPC on %s:%d; data planes connect to %s", self.config.grpc.host,
                  self.port, self.config.dataplane_address)
-        if self.config.metrics_port is not None:
-            self.metrics_server, _, port = serve_metrics(
-                self.engine, self.model.name, self.config.grpc.host, self.config.metrics_port)
-            log.info("serving Prometheus metrics on http://%s:%d/metrics", self.config.grpc.host,
-                     port)
         return self.port
 
     async def _start_frontends(self, servicer: GenerationServicer) -> int:
-        # Every front-end binds the same port (gRPC sets SO_REUSEPORT), so it is chosen (port 0)
-        # or checked free here, and stays reserved while the server runs: a restarted front-end
-        # binds it again later, another server cannot.
-        self._port_reservation = reserve_tcp_port(self.config.grpc.host, self.config.grpc.port)
-        port = self._port_reservation.getsockname()[1]
+        # Every front-end binds the same port (gRPC sets SO_REUSEPORT), so one is chosen here;
+        # a port chosen here stays reserved while the server runs (a restarted front-end binds
+        # it again later). (A given port was checked free of another server in start.)
+        port = self.config.grpc.port
+        if not port:
+            self._port_reservation = reserve_tcp_port(self.config.grpc.host)
+            port = self._port_reservation.getsockname()[1]
         address = private_ipc_address("frontend")
         self.frontend_link = FrontendLink(address, servicer, serving=lambda: self.is_serving)
         started = asyncio.Event()
@@ -191,8 +198,6 @@ class ControlPlane:
 
     async def _start_grpc(self, servicer: GenerationServicer) -> int:
         c = self.config
-        if c.grpc.port:  # free (gRPC's SO_REUSEPORT would share it with another server)
-            reserve_tcp_port(c.grpc.host, c.grpc.port).close()
         self.server, port = await start_server(
             lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
             self.health, replace(c.grpc, max_concurrent_rpcs=c.max_concurrent_rpcs))
@@ -233,7 +238,12 @@ async def run_until_signal(control_plane: ControlPlane, children: Sequence = ())
     """Serve until SIGTERM/SIGINT (then drain), or until the engine loop dies or the supervisor
     of a child (a front-end, or one of `children`: serve's data plane) gives up restarting it
     (then raise)."""
-    await control_plane.start()
+    try:
+        await control_plane.start()
+    except Exception:  # (a port or the link's address in use): undo what started
+        with contextlib.suppress(Exception):
+            await control_plane.stop()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

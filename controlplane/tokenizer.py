@@ -27,7 +27,7 @@ class Tokenizer:
         path = pathlib.Path(model_dir) / "tokenizer.json"
         if not path.exists():
             raise ConfigError(f"{path} not found: the control plane needs the checkpoint's "
-                                    "tokenizer.json")
+                              "tokenizer.json")
         return cls(_HFTokenizer.from_file(str(path)), model_vocab_size)
 
     def encode(self, text: str) -> list[int]:

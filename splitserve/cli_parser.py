@@ -17,11 +17,13 @@ never load torch.
 import argparse
 import pathlib
 import re
+from collections.abc import Callable
 
 DEFAULT_PORT = 50051
 
 
-def _number(kind: type, low: float, high: float | None = None, *, above: bool = False):
+def _number(kind: type, low: float, high: float | None = None, *, above: bool = False
+            ) -> Callable[[str], float]:
     """An argparse type: a `kind` at least `low` (above it with `above`) and at most `high`; a
     value outside is a usage error naming the range, not a traceback from deep inside."""
     def parse(text: str):
@@ -265,19 +267,19 @@ def _add_generate_command(sub: argparse._SubParsersAction) -> None:
                                      "Unset sampling flags take the server's defaults.")
     gen.add_argument("prompt")
     _add_client(gen)
-    gen.add_argument("--max-tokens", type=_POSITIVE, default=None)
+    gen.add_argument("--max-tokens", type=_number(int, 1, 2**32 - 1), default=None)
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1)")
     gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=_number(int, -1), default=None)
+    gen.add_argument("--top-k", type=_number(int, -1, 2**31 - 1), default=None)
     gen.add_argument("--min-p", type=float, default=None)
     gen.add_argument("--presence-penalty", type=float, default=None)
     gen.add_argument("--frequency-penalty", type=float, default=None)
     gen.add_argument("--repetition-penalty", type=float, default=None)
     gen.add_argument("--seed", type=_number(int, 0, 2**64 - 1), default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=_COUNT, action="append",
+    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=_number(int, 0, 2**32 - 1), action="append",
                      default=None, help="stop token id (repeatable)")
-    gen.add_argument("--min-tokens", type=_COUNT, default=None)
+    gen.add_argument("--min-tokens", type=_number(int, 0, 2**32 - 1), default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")

@@ -123,3 +123,11 @@ def test_demo_model_into_a_file_is_an_error(tmp_path):
     (tmp_path / "taken").write_text("")
     result = splitserve("demo-model", str(tmp_path / "taken"), timeout=120)
     assert result.returncode == 2 and "is in the way of the default model" in result.stderr
+
+
+def test_a_metrics_port_in_use_is_one_line_before_anything_starts(server, checkpoints):
+    result = splitserve("serve", "--model", str(checkpoints["untied"]), "--port", "0",
+                        "--metrics-port", str(server.port), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"--metrics-port {server.port} of 127.0.0.1" in result.stderr.splitlines()[-1]
+    assert "Traceback" not in result.stderr and "never awaited" not in result.stderr
