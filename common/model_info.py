@@ -25,6 +25,8 @@ class ModelInfo:
         try:
             raw = (path / "config.json").read_bytes()
             config = json.loads(raw)
+            if not isinstance(config, dict):
+                raise ValueError("config.json holds no JSON object")
             architectures = config.get("architectures") or ["unknown"]
             return cls(
                 name=path.resolve().name,
@@ -35,7 +37,8 @@ class ModelInfo:
                 eos_token_ids=_eos_token_ids(path, config),
                 dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             )
-        except (OSError, ValueError, KeyError, AttributeError) as e:  # (JSONDecodeError: Value)
+        except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError,
+                KeyError) as e:  # (json.JSONDecodeError is a ValueError)
             raise ConfigError(f"{path} is not a Hugging Face checkpoint directory: "
                               f"{type(e).__name__}: {e}") from e
 

@@ -156,6 +156,10 @@ class Engine:
         return self.attachment is not Attachment.DETACHED and not self.draining
 
     @property
+    def is_attached(self) -> bool:
+        return self.attachment is Attachment.ATTACHED
+
+    @property
     def is_serving(self) -> bool:
         """What health reports: a data plane is attached and the engine is not draining."""
         return self.attachment is Attachment.ATTACHED and not self.draining

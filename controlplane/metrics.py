@@ -11,6 +11,8 @@ the per-step path pays nothing for it.
 import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,6 +20,9 @@ from prometheus_client.registry import Collector
 
 from common.errors import ConfigError
 from controlplane.request import FinishReason, Request
+
+if TYPE_CHECKING:  # (the engine imports this module)
+    from controlplane.engine import Engine
 
 PREFIX = "splitserve:"
 # request_success_total's finished_reason: vLLM's values where it has the case (EOS and stop
@@ -74,7 +79,7 @@ class EngineCollector(Collector):
     model's name as vLLM's are (dashboards filter on model_name). (Reads of ints and lengths,
     safe from the HTTP server's thread: nothing here iterates a structure the loop changes.)"""
 
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine: "Engine", model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -91,7 +96,7 @@ class EngineCollector(Collector):
                 (GaugeMetricFamily, "num_kv_blocks",
                  "KV cache blocks the attached data plane holds", total),
                 (GaugeMetricFamily, "dataplane_attached", "1 while a data plane is attached",
-                 int(e.is_serving)),
+                 int(e.is_attached)),
                 (CounterMetricFamily, "prompt_tokens", "Prompt tokens of admitted requests",
                  m.num_prompt_tokens),
                 (CounterMetricFamily, "generation_tokens", "Output tokens of requests",
@@ -118,8 +123,8 @@ class EngineCollector(Collector):
                 yield family
 
 
-def serve_metrics(engine, model_name: str, host: str, port: int
-                  ) -> tuple[object, threading.Thread, int]:
+def serve_metrics(engine: "Engine", model_name: str, host: str, port: int
+                  ) -> tuple[WSGIServer, threading.Thread, int]:
     """Serve the engine's metrics at http://host:port/metrics from a thread (prometheus_client's
     own server). Returns the server (`shutdown()` stops it), its thread and the bound port."""
     registry = CollectorRegistry()

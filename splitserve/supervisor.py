@@ -39,6 +39,7 @@ class Supervisor:
     async def run(self) -> None:
         backoff = self.min_backoff_s
         num_quick_exits = 0
+        has_run_a_while = False  # (an exit 2 after that is not a refusal of its flags)
         while not self._stopping:
             started = time.monotonic()
             self.process = await asyncio.create_subprocess_exec(
@@ -46,10 +47,12 @@ class Supervisor:
             code = await self.process.wait()
             if self._stopping:
                 return
-            if code == USAGE_ERROR:  # it would refuse the same flags or directory again
+            ran_a_while = time.monotonic() - started > self.healthy_after_s
+            has_run_a_while |= ran_a_while
+            if code == USAGE_ERROR and not has_run_a_while:  # it would refuse them again
                 raise ConfigError(f"the {self.name} refused its configuration (exit code "
                                   f"{code}; its error is above)")
-            if time.monotonic() - started > self.healthy_after_s:
+            if ran_a_while:
                 backoff, num_quick_exits = self.min_backoff_s, 0  # a fresh crash
             else:
                 num_quick_exits += 1
