@@ -288,14 +288,16 @@ class DataPlaneLink:
                              fatal=False)
             return
         problem = self._incompatibility(hello)
-        if problem is None and peer is not None and peer.identity != identity and \
-                time.monotonic() - peer.last_heard < self.config.heartbeat_timeout_s:
+        another_is_attached = problem is None and peer is not None and \
+            peer.identity != identity and \
+            time.monotonic() - peer.last_heard < self.config.heartbeat_timeout_s
+        if another_is_attached:
             problem = f"data plane {peer.hello.instance_id} is attached and alive"
         if problem is not None:
             log.warning("refusing data plane %s: %s", hello.instance_id, problem)
             # not fatal: this peer is the refused newcomer, not the attached data plane
-            await self._send(_Peer(identity, hello, 0),
-                             link_pb2.LinkMessage(reject=link_pb2.Reject(reason=problem)),
+            reject = link_pb2.Reject(reason=problem, another_is_attached=another_is_attached)
+            await self._send(_Peer(identity, hello, 0), link_pb2.LinkMessage(reject=reject),
                              fatal=False)
             return
         self._lose("a new data plane said hello")

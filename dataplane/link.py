@@ -177,10 +177,12 @@ class _IOLoop:
                 return
             log.error("the control plane dropped this data plane: %s", message.reject.reason)
             os._exit(EXIT_DROPPED)
-        if kind == "reject" and not message.epoch and self.lost_since is not None:
+        if kind == "reject" and not message.epoch and self.lost_since is not None and \
+                message.reject.another_is_attached:
             # Our control plane is gone and the one that answered our Hello (a restarted one)
             # has another data plane: wait as a standby, as one never configured does, instead
-            # of ignoring the refusal (another epoch's) and exiting after the grace period.
+            # of ignoring the refusal (another epoch's) and exiting after the grace period. (A
+            # refusal for anything else leaves the grace period running.)
             log.warning("refused in epoch %d's stead; waiting as a standby", self.epoch)
             self.epoch, self.last_seq_in, self.lost_since = 0, 0, None
         if kind == "configure" and message.epoch > self.epoch:

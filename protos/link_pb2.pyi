@@ -77,10 +77,12 @@ class Ready(_message.Message):
     def __init__(self, num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class Reject(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "another_is_attached")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ANOTHER_IS_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    another_is_attached: bool
+    def __init__(self, reason: _Optional[str] = ..., another_is_attached: _Optional[bool] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("step_id", "message")

@@ -79,7 +79,8 @@ def test_refused_at_the_handshake_after_its_control_plane_went_it_waits_as_a_sta
     io._tick(now)
     assert relayed(link) == [LOST]
     router.send_multipart([b"dp", *framing.encode(link_pb2.LinkMessage(
-        seq=1, epoch=0, reject=link_pb2.Reject(reason="data plane b is attached and alive")))])
+        seq=1, epoch=0, reject=link_pb2.Reject(reason="data plane b is attached and alive",
+                                               another_is_attached=True)))])
     assert io.dealer.poll(1000)
     io._on_frames(io.dealer.recv_multipart())
     assert (io.epoch, io.lost_since) == (0, None)  # not configured: no grace period runs
@@ -88,6 +89,20 @@ def test_refused_at_the_handshake_after_its_control_plane_went_it_waits_as_a_sta
     assert router.poll(1000)
     _, *frames = router.recv_multipart()
     assert framing.decode(frames).WhichOneof("body") == "hello"
+
+
+def test_refused_as_incompatible_after_its_control_plane_went_it_keeps_its_grace_period(loop):
+    """Only a refusal for another attached data plane makes a standby: one that a restarted
+    control plane cannot use (another model, protocol) still exits after the grace period."""
+    io, router, link = loop
+    now = time.monotonic()
+    io.last_heard = now - 10 * link.config.heartbeat_timeout_s
+    io._tick(now)
+    router.send_multipart([b"dp", *framing.encode(link_pb2.LinkMessage(
+        seq=1, epoch=0, reject=link_pb2.Reject(reason="model mismatch")))])
+    assert io.dealer.poll(1000)
+    io._on_frames(io.dealer.recv_multipart())
+    assert (io.epoch, io.lost_since) == (EPOCH, now)
 
 
 def test_a_closed_link_frees_its_address_at_once():
