@@ -119,8 +119,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         num_queued = self.engine.num_queued(num_new=1)  # with this request
         if num_queued > self.max_waiting_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no sequence slot (--max-num-seqs) is free and {num_queued - 1} "
-                                f"requests wait for one, the limit (--max-waiting-requests) is "
+                                f"{self.engine.load()[1]} requests are waiting, {num_queued} with "
+                                f"this one beyond the free sequence slots (--max-num-seqs) and KV "
+                                f"cache; the limit (--max-waiting-requests) is "
                                 f"{self.max_waiting_requests}; retry later")
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):

@@ -68,6 +68,7 @@ class Scheduler:
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._freed_slots: list[int] = []  # released since the last step was built
         self._failed: list[Request] = []  # too large for the KV cache, not yet reported
+        self._is_out_of_blocks = False  # the last step left requests waiting for KV blocks
 
     @property
     def num_unfinished(self) -> int:
@@ -75,10 +76,11 @@ class Scheduler:
 
     def num_queued(self, num_new: int = 0) -> int:
         """Waiting requests, with `num_new` more, beyond the sequence slots free now: those that
-        would still wait if the next step admitted one into every free slot. The API bounds
+        would still wait if the next steps admitted one into every free slot. The API bounds
         this, not the waiting queue, so that a burst that fits the running set is not refused
-        before a step has admitted it."""
-        num_free = self.config.max_num_seqs - len(self.running)
+        before a step has admitted it. While the KV cache is what holds requests back (the last
+        step could not admit one for blocks, or preempted one) no slot counts as free."""
+        num_free = 0 if self._is_out_of_blocks else self.config.max_num_seqs - len(self.running)
         return max(0, len(self.waiting) + num_new - num_free)
 
     @property
@@ -108,6 +110,7 @@ class Scheduler:
             self._schedule_alone(out, suspect, budget)
         else:
             budget = self._schedule_running(out, budget)
+            self._is_out_of_blocks = out.num_preempted > 0
             if out.num_preempted == 0:
                 self._schedule_waiting(out, budget)
         for s in out.scheduled:
@@ -177,6 +180,7 @@ class Scheduler:
             num_tokens = min(request.num_tokens - hit.num_tokens, budget)
             block_ids = self.kv.allocate(request, num_tokens, hit)
             if block_ids is None:
+                self._is_out_of_blocks = True
                 break
             self.waiting.popleft()
             request.admit(self.free_slots.pop(), hit.num_tokens)
@@ -256,6 +260,7 @@ class Scheduler:
         assert not self.running, "preempt_all() first"
         self.kv = kv
         self.free_slots = list(range(self.config.max_num_seqs - 1, -1, -1))
+        self._is_out_of_blocks = False
         self._freed_slots = []
         for request in list(self.waiting):
             self._fail_if_too_large(request)

@@ -167,3 +167,15 @@ def test_two_steps_in_flight_give_the_same_outputs_as_one():
     assert outputs(2, 32) == outputs(1, 32)
     assert outputs(2, 10) == outputs(1, 32)  # with preemptions
     assert outputs(2, 10)[1] == 0
+
+
+def test_the_queue_counts_waiting_requests_beyond_free_slots_or_all_when_blocks_ran_out():
+    s = make_scheduler(num_blocks=4, max_num_seqs=4)
+    for rid in "abc":
+        s.add(make_request(rid, 8, max_tokens=4))  # two blocks of 4 tokens each
+    assert s.num_queued() == 0 and s.num_queued(num_new=2) == 1  # three of four slots taken
+    step(s)  # a and b fill the cache; c waits for blocks, two slots free
+    assert [r.request_id for r in s.running] == ["a", "b"] and len(s.waiting) == 1
+    assert s.num_queued() == 1 and s.num_queued(num_new=1) == 2
+    run_to_completion(s)
+    assert s.num_queued(num_new=1) == 0
