@@ -80,9 +80,9 @@ def _add_api(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-waiting-requests", type=_COUNT, default=1024,
-                   help="queue bound: requests that wait for a free sequence slot "
-                        "(--max-num-seqs); beyond it Generate fails fast with RESOURCE_EXHAUSTED "
-                        "(0: no queue) (default %(default)s)")
+                   help="queue bound: requests that wait beyond the free sequence slots "
+                        "(--max-num-seqs; none while the KV cache is full); beyond it Generate "
+                        "fails fast with RESOURCE_EXHAUSTED (0: no queue) (default %(default)s)")
     p.add_argument("--metrics-port", type=_PORT, default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (vLLM's names "
                         "under splitserve:; 0: a free port, logged) (default: off)")
