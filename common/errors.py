@@ -3,4 +3,6 @@
 
 class ConfigError(Exception):
     """Something the user gave is wrong: a flag's value, a model directory, a port in use. The
-    `splitserve` command prints it as one line and exits 2, as argparse does for its own."""
+    `splitserve` command prints it as one line and exits EXIT_CODE, argparse's for its own."""
+
+    EXIT_CODE = 2

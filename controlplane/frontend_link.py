@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from common.transport import unbounded_socket
 from controlplane.api_server import GenerationServicer, chunk_replies
 from controlplane.grpc_server import SERVICE
+from controlplane.interceptors import malformed
 from controlplane.streams import Chunk
 from protos import frontend_pb2, generation_pb2
 
@@ -128,8 +129,8 @@ class FrontendLink:
             try:
                 request = request_type.FromString(call.request)
             except DecodeError as e:  # the client's bytes (bad UTF-8 in a string field, ...)
-                raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid "
-                               f"{request_type.DESCRIPTOR.full_name}: {e}") from None
+                raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT,
+                               malformed(request_type.DESCRIPTOR.full_name, e)) from None
             if streams:  # Generate, the one streaming method (controlplane/frontend.py)
                 await self._generate(identity, call.call_id, request)
             else:

@@ -21,6 +21,11 @@ def handler_like(handler: grpc.RpcMethodHandler, unary, stream, request_deserial
     return grpc.stream_stream_rpc_method_handler(stream, **kwargs)
 
 
+def malformed(what: str, error: DecodeError) -> str:
+    """INVALID_ARGUMENT's details for request bytes that do not parse as `what`."""
+    return f"the request is not a valid {what}: {error}"
+
+
 class _Malformed:
     """What a request whose bytes do not parse deserializes to: the call answers it."""
 
@@ -48,8 +53,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             try:
                 return parse(data)
             except DecodeError as e:
-                return _Malformed(f"the request is not a valid message of "
-                                  f"{handler_call_details.method}: {e}")
+                return _Malformed(malformed(f"request of {handler_call_details.method}", e))
 
         async def unary(request, context):
             if isinstance(request, _Malformed):

@@ -11,9 +11,9 @@ CPU); one whose messages wait unread was not silent (this thread was kept off th
 kernel compile at configure, say). The thread keeps its epoch and repeats Hello in it: the same
 control plane, running again, resumes this data plane where it was (DataPlaneLink._on_hello); a
 new one configures a new epoch, or refuses this data plane when it has another (this one then
-waits as a standby, as one never configured does). The connection itself outlives such a freeze: its transport
-heartbeats give up only after `transport_timeout_s` (a reconnect would reach the ROUTER under a
-new routing id).
+waits as a standby, as one never configured does). The connection itself outlives such a
+freeze: its transport heartbeats give up only after `transport_timeout_s` (a reconnect would
+reach the ROUTER under a new routing id).
 """
 
 import logging

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, argv)
     except ConfigError as e:  # a wrong flag value or directory: one line, as argparse's errors
         print(f"splitserve {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return ConfigError.EXIT_CODE
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -46,6 +46,7 @@ _POSITIVE = _number(int, 1)
 _COUNT = _number(int, 0)
 _SECONDS = _number(float, 0)
 _POSITIVE_SECONDS = _number(float, 0, above=True)
+_UINT32 = _number(int, 0, 2**32 - 1)  # (the API's uint32 fields)
 _ZMQ_ADDRESS = re.compile(r"(tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]]+):(\d{1,5})|ipc://.+|inproc://.+)")
 
 
@@ -277,9 +278,9 @@ def _add_generate_command(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--repetition-penalty", type=float, default=None)
     gen.add_argument("--seed", type=_number(int, 0, 2**64 - 1), default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=_number(int, 0, 2**32 - 1), action="append",
+    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=_UINT32, action="append",
                      default=None, help="stop token id (repeatable)")
-    gen.add_argument("--min-tokens", type=_number(int, 0, 2**32 - 1), default=None)
+    gen.add_argument("--min-tokens", type=_UINT32, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")

@@ -15,7 +15,6 @@ import time
 from common.errors import ConfigError
 
 log = logging.getLogger("splitserve.supervisor")
-USAGE_ERROR = 2  # the exit code of `splitserve` for a wrong flag or directory (ConfigError)
 
 
 class Supervisor:
@@ -49,7 +48,7 @@ class Supervisor:
                 return
             ran_a_while = time.monotonic() - started > self.healthy_after_s
             has_run_a_while |= ran_a_while
-            if code == USAGE_ERROR and not has_run_a_while:  # it would refuse them again
+            if code == ConfigError.EXIT_CODE and not has_run_a_while:  # it would again
                 raise ConfigError(f"the {self.name} refused its configuration (exit code "
                                   f"{code}; its error is above)")
             if ran_a_while:

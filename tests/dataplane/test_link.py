@@ -109,4 +109,6 @@ def test_a_closed_link_frees_its_address_at_once():
     """libzmq closes a socket later, in its reaper thread; close() unbinds first, so the next
     link with the same instance id (the same inproc address) binds it at once."""
     for _ in range(200):
-        ControlPlaneLink("inproc://unused", link_pb2.Hello(instance_id="again"), LinkConfig()).close()
+        link = ControlPlaneLink("inproc://unused", link_pb2.Hello(instance_id="again"),
+                                LinkConfig())
+        link.close()
