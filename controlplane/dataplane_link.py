@@ -97,7 +97,7 @@ class DataPlaneLink:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._lose("control plane closing", reject=False)
+        self._detach("control plane closing")
         if self._sock is not None:
             self._sock.disable_monitor()
             self._monitor_sock.close()
@@ -161,22 +161,27 @@ class DataPlaneLink:
     def drop(self, reason: str) -> None:
         self._lose(reason)
 
-    def _lose(self, reason: str, failed_step_id: int | None = None, reject: bool = True) -> None:
+    def _lose(self, reason: str, failed_step_id: int | None = None) -> None:
         peer = self._peer
         if peer is None:
             return
         log.warning("data plane %s lost: %s", peer.hello.instance_id, reason)
         was_attached = self.is_attached
+        self._detach(reason, failed_step_id)
+        if was_attached:
+            self._on_change(False)
+        # If it still runs (hung, partitioned), it must not serve a stale epoch: tell it to exit.
+        self._reject_soon(peer, f"declared lost: {reason}")
+
+    def _detach(self, reason: str, failed_step_id: int | None = None) -> None:
+        """Forget the data plane and fail the steps it owes. On close, only this: the data plane
+        is not lost (its supervisor stops it, or it waits for the next control plane), and the
+        owner of the closing link gets no call to replace it."""
         self._peer = None
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(DataPlaneLost(reason, failed_step_id))
         self._attached.set()  # wake attach() waiters so they re-check
-        if was_attached:
-            self._on_change(False)
-        # If it still runs (hung, partitioned), it must not serve a stale epoch: tell it to exit.
-        if reject:
-            self._reject_soon(peer, f"declared lost: {reason}")
 
     def _reject_soon(self, peer: _Peer, reason: str) -> None:
         if self._sock is None or self._sock.closed:

@@ -80,7 +80,9 @@ class Supervisor:
             process.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(process.wait(), timeout_s)
+                log.info("%s exited on SIGTERM (code %s)", self.name, process.returncode)
             except TimeoutError:
+                log.warning("%s still runs %.0fs after SIGTERM: killing it", self.name, timeout_s)
                 process.kill()
                 await process.wait()
         if self.task is not None:

@@ -383,13 +383,18 @@ def test_chaos_proxy_loses_and_duplicates_no_token(model, expected, tmp_path):
 
 
 def stops_cleanly(server) -> None:
-    """The serve process exits 0 on its own after SIGTERM (its stacks are logged if not)."""
+    """The serve process exits 0 on its own after SIGTERM (its stacks are logged if not), and
+    stops its data plane as a shutdown, not as a loss: SIGTERM, not SIGKILL, and no warning."""
     process = server.processes[0]
     exited = harness.wait_until(lambda: process.popen.poll() is not None, 30)
     if not exited:
         process.dump_stacks()
     server.stop()
-    assert exited and process.popen.returncode == 0, process.log()[-6000:]
+    log = process.log()
+    assert exited and process.popen.returncode == 0, log[-6000:]
+    shutdown = log[log.index("draining:"):]
+    assert " lost" not in shutdown and "killing" not in shutdown, shutdown
+    assert "data plane exited on SIGTERM" in shutdown, shutdown
 
 
 @pytest.mark.parametrize("to", ["process", "group"])
