@@ -144,6 +144,7 @@ class Engine:
         self._closed = asyncio.Event()  # set by close(): wakes a run() waiting to attach
         self._idle = asyncio.Event()
         self._idle.set()
+        self._drain_cut = asyncio.Event()  # (cut_drain)
         self._step_ids = itertools.count(1)
         self._last_step_id = 0  # the last step sent in this epoch
         self._in_flight: collections.deque[_InFlight] = collections.deque()
@@ -208,14 +209,19 @@ class Engine:
         UNAVAILABLE. Returns how many were cut off."""
         self.draining = True
         self._on_state_change()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            pass
+        waits = [asyncio.ensure_future(event.wait()) for event in (self._idle, self._drain_cut)]
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
         cut = list(self.streams)
         for request_id in cut:
             self.abort(request_id, FinishReason.SHUTDOWN)
         return len(cut)
+
+    def cut_drain(self) -> None:
+        """End a drain now (a second SIGTERM or Ctrl-C): its live requests end as at its
+        timeout."""
+        self._drain_cut.set()
 
     def close(self) -> None:
         """Make run() return at its next turn. (Cancelling it is not enough on Python 3.11:

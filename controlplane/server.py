@@ -211,7 +211,7 @@ class ControlPlane:
                  self.config.drain_timeout_s)
         cut = await self.engine.drain(self.config.drain_timeout_s)
         if cut:
-            log.warning("drain timeout: %d requests ended UNAVAILABLE", cut)
+            log.warning("drain over: %d requests ended UNAVAILABLE", cut)
         await self.stop()
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -268,7 +268,14 @@ async def run_until_signal(control_plane: ControlPlane, children: Sequence = ())
             raise gave_up[0].exception()
         raise RuntimeError(f"the {supervised[gave_up[0]]} keeps exiting; stopping")
     _exit_if_stuck(control_plane.config.drain_timeout_s + 15)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a second one: no more waiting
+        loop.add_signal_handler(sig, _cut_drain, control_plane.engine)
     await control_plane.drain_and_stop()
+
+
+def _cut_drain(engine: Engine) -> None:
+    log.warning("a second signal: ending the %d live requests now", len(engine.streams))
+    engine.cut_drain()
 
 
 def _exit_if_stuck(after_s: float) -> None:
