@@ -20,6 +20,7 @@ not go out is repeated or dropped.
 """
 
 import asyncio
+import errno
 import logging
 import time
 
@@ -29,12 +30,14 @@ import zmq.auth.asyncio
 import zmq.utils.monitor
 
 from common import framing
+from common.errors import ConfigError
 from common.model_info import ModelInfo
 from common.transport import PROTOCOL_VERSION, LinkConfig, configure_socket, warn_if_exposed
 from controlplane.dataplane_client import DataPlaneInfo, DataPlaneLost
 from protos import link_pb2
 
 log = logging.getLogger("splitserve.link")
+_MAX_REFUSALS_REMEMBERED = 64
 
 
 class _Peer:
@@ -67,6 +70,9 @@ class DataPlaneLink:
         self._last_seq_in: dict[bytes, int] = {}
         self._attached = asyncio.Event()
         self._pending: dict[int, asyncio.Future] = {}
+        # Why each data plane was last refused: a refused one says Hello again every second,
+        # and its log line is worth writing when the reason is new, not each time.
+        self._instance_to_refusal: dict[str, str] = {}
         self.num_dropped = 0  # malformed, replayed or stale messages
         self.num_retransmits = 0
         self.bytes_sent = 0
@@ -88,7 +94,14 @@ class DataPlaneLink:
         warn_if_exposed(self.address, self.config)
         self._monitor_sock = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._monitor_sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self.address)
+        try:
+            self._sock.bind(self.address)
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            self._monitor_sock.close()
+            self._sock = None
+            why = "is in use" if e.errno == errno.EADDRINUSE else "cannot be bound"
+            raise ConfigError(f"--dataplane-address {self.address} {why}: {e.strerror}") from None
         self._tasks = [asyncio.create_task(self._reader(), name="link-reader"),
                        asyncio.create_task(self._watchdog(), name="link-watchdog"),
                        asyncio.create_task(self._monitor(self._monitor_sock), name="link-monitor")]
@@ -182,6 +195,18 @@ class DataPlaneLink:
             if not future.done():
                 future.set_exception(DataPlaneLost(reason, failed_step_id))
         self._attached.set()  # wake attach() waiters so they re-check
+
+    def _log_refusal(self, instance_id: str, problem: str, is_standby: bool) -> None:
+        if self._instance_to_refusal.get(instance_id) == problem:
+            log.debug("refusing data plane %s again: %s", instance_id, problem)
+            return
+        if len(self._instance_to_refusal) >= _MAX_REFUSALS_REMEMBERED:
+            self._instance_to_refusal.clear()  # (instances that went away; a line again at worst)
+        self._instance_to_refusal[instance_id] = problem
+        if is_standby:
+            log.info("data plane %s is a standby: %s", instance_id, problem)
+        else:
+            log.warning("refusing data plane %s: %s", instance_id, problem)
 
     def _reject_soon(self, peer: _Peer, reason: str) -> None:
         if self._sock is None or self._sock.closed:
@@ -299,7 +324,7 @@ class DataPlaneLink:
         if another_is_attached:
             problem = f"data plane {peer.hello.instance_id} is attached and alive"
         if problem is not None:
-            log.warning("refusing data plane %s: %s", hello.instance_id, problem)
+            self._log_refusal(hello.instance_id, problem, another_is_attached)
             # not fatal: this peer is the refused newcomer, not the attached data plane
             reject = link_pb2.Reject(reason=problem, another_is_attached=another_is_attached)
             await self._send(_Peer(identity, hello, 0), link_pb2.LinkMessage(reject=reject),

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import pathlib
 import queue
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -172,6 +173,7 @@ class Rank0:
         # A Configure taken in while the previous epoch's steps finish (_on_configure).
         self._configure_waiting: tuple[bytes, link_pb2.LinkMessage] | None = None
         self.completions = Completions()
+        self._refusal: str | None = None  # the last, logged once: Hello is retried each second
         self._idle_tick = link_pb2.LinkMessage(heartbeat=link_pb2.Heartbeat()).SerializeToString()
 
     def run(self) -> None:
@@ -203,13 +205,23 @@ class Rank0:
         elif body == "step":
             self._on_step(payload, message)
         elif body == "reject":
-            log.error("the control plane refused this data plane: %s", message.reject.reason)
+            self._on_refused(message.reject)
+
+    def _on_refused(self, reject: link_pb2.Reject) -> None:
+        if reject.reason == self._refusal:
+            log.debug("refused again: %s", reject.reason)
+        elif reject.another_is_attached:
+            log.info("standby: %s; waiting to take over", reject.reason)
+        else:
+            log.error("the control plane refused this data plane: %s", reject.reason)
+        self._refusal = reject.reason
 
     def _on_configure(self, payload: bytes, message: link_pb2.LinkMessage) -> None:
         """The previous epoch's steps end first. The control plane repeats its Configure each
         second until Ready comes, and those steps can take longer (a hung device, a long
         prompt): a Configure that arrives meanwhile replaces the one waiting if its epoch is
         as new, and only the newest runs, once."""
+        self._refusal = None  # attached: a later refusal is news
         if self._configure_waiting is not None:  # (we are in the loop below, further up)
             if message.epoch >= self._configure_waiting[1].epoch:
                 self._configure_waiting = (payload, message)
@@ -273,6 +285,9 @@ def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: 
     link.start()
     log.info("data plane %s connecting to %s", link.instance_id, address)
     rank0 = Rank0(runner, link, liveness)
+    # SIGTERM (Kubernetes, serve's supervisor) stops it as Ctrl-C does: exit 0, followers
+    # released, and a line that says why.
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         rank0.run()
     except KeyboardInterrupt:
@@ -281,6 +296,11 @@ def run_rank0(runner: ModelRunner, model_info: ModelInfo, address: str, config: 
     finally:
         rank0.completions.close()
         link.close()
+
+
+def _stop_on_sigterm(signum: int, frame) -> None:
+    log.info("stopping on SIGTERM")
+    raise KeyboardInterrupt
 
 
 def _report_failure(link: ControlPlaneLink, message: link_pb2.LinkMessage, error: Exception) -> None:

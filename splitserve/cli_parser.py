@@ -187,7 +187,9 @@ def _add_client(p: argparse.ArgumentParser) -> None:
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default="INFO", help="(default %(default)s)")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="(case-insensitive; default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -85,7 +85,8 @@ def test_serve_with_invalid_flags_exits_at_once_with_the_reason(checkpoints):
     (["dataplane", "--model", "m", "--controlplane-address", "127.0.0.1:5555"],
      "argument --controlplane-address: not a ZeroMQ address"),
     (["generate", "--seed", "-1", "hi"], "argument --seed: must be >= 0"),
-], ids=["tp", "port", "memory", "max-model-len", "address", "seed"])
+    (["serve", "--log-level", "verbose"], "argument --log-level: invalid choice: 'VERBOSE'"),
+], ids=["tp", "port", "memory", "max-model-len", "address", "seed", "log-level"])
 def test_a_flag_out_of_its_range_is_a_usage_error_before_anything_starts(args, message):
     """serve restarted a data plane that died of --tp 0 for two minutes; a data plane given a
     malformed address lost its link thread and hung, passing its liveness probe."""
@@ -131,3 +132,18 @@ def test_a_metrics_port_in_use_is_one_line_before_anything_starts(server, checkp
     assert result.returncode == 2, result.stderr
     assert f"--metrics-port {server.port} of 127.0.0.1" in result.stderr.splitlines()[-1]
     assert "Traceback" not in result.stderr and "never awaited" not in result.stderr
+
+
+def test_a_link_address_in_use_is_one_line(checkpoints, tmp_path):
+    """A second control plane on the first one's --dataplane-address: ZeroMQ's bind error was
+    a traceback."""
+    link = f"tcp://127.0.0.1:{harness.free_port()}"
+    first = harness.controlplane(checkpoints["untied"], tmp_path, link)
+    try:
+        result = splitserve("controlplane", "--model", str(checkpoints["untied"]), "--port", "0",
+                            "--dataplane-address", link, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert f"--dataplane-address {link} is in use" in result.stderr.splitlines()[-1]
+        assert "Traceback" not in result.stderr
+    finally:
+        first.stop()

@@ -337,6 +337,37 @@ def test_a_control_plane_stopped_with_sigterm_leaves_its_data_plane_to_the_next(
         dataplane.stop()
 
 
+def test_a_standby_data_plane_waits_quietly_and_takes_over_from_one_stopped_with_sigterm(
+        model, tmp_path):
+    """A second data plane on an attached control plane is a standby: each side says so once
+    (its repeated Hellos and their refusals are DEBUG lines), not an ERROR a second. The
+    attached one stops on SIGTERM with exit 0 and a line that says why, and the standby takes
+    over."""
+    link = f"tcp://127.0.0.1:{harness.free_port()}"
+    server = harness.controlplane(model, tmp_path, link, "--log-level", "debug")
+    first = harness.dataplane(model, tmp_path, link, "--num-kv-blocks", "64", name="first")
+    server.processes.append(first)
+    try:
+        server.wait_serving()
+        standby = harness.dataplane(model, tmp_path, link, "--num-kv-blocks", "64",
+                                    "--log-level", "debug", name="standby")
+        server.processes.append(standby)
+        refusals = r"DEBUG splitserve\.link: refusing data plane"
+        assert harness.wait_until(lambda: len(re.findall(refusals, server.log())) >= 3, 30), \
+            server.log()
+        for process, once in ((server.processes[0], "is a standby:"),
+                              (standby, "INFO splitserve.dataplane: standby:")):
+            assert process.log().count(once) == 1, process.log()
+            assert " ERROR " not in process.log(), process.log()
+        assert first.stop() == 0
+        assert "stopping on SIGTERM" in first.log(), first.log()
+        assert server.client.wait_until_serving(30), server.log()
+        assert server.client.generate([1, 2, 3], ignore_eos=True, max_tokens=4
+                                      ).completion_tokens == 4
+    finally:
+        server.stop()
+
+
 class Restarting:
     """Keeps a standalone data plane running, as an orchestrator would."""
 
@@ -394,7 +425,7 @@ def stops_cleanly(server) -> None:
     assert exited and process.popen.returncode == 0, log[-6000:]
     shutdown = log[log.index("draining:"):]
     assert " lost" not in shutdown and "killing" not in shutdown, shutdown
-    assert "data plane exited on SIGTERM" in shutdown, shutdown
+    assert "data plane exited on SIGTERM (code 0)" in shutdown, shutdown
 
 
 @pytest.mark.parametrize("to", ["process", "group"])
@@ -416,6 +447,22 @@ def test_sigterm_drains(model, tmp_path, to):
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     results = flight.wait()
     assert [r[0] for r in results] == ["FINISH_REASON_LENGTH"] * len(PROMPTS)
+    stops_cleanly(server)
+
+
+def test_a_second_sigterm_ends_the_drain_at_once(model, tmp_path):
+    """As vLLM's and uvicorn's second Ctrl-C: the drain stops waiting (it was ignored)."""
+    server = harness.serve(model, tmp_path, "--num-kv-blocks", "512", "--drain-timeout", "600")
+    flight = InFlight(server.client, max_tokens=400)
+    assert flight.started.wait(60)
+    process = server.processes[0]
+    process.popen.send_signal(signal.SIGTERM)
+    process.wait_for_log("draining: ", 30)
+    process.popen.send_signal(signal.SIGTERM)
+    results = flight.wait()
+    assert "UNAVAILABLE" in {r[0] for r in results}, results
+    assert all("shutting down" in d for d in flight.details if d is not None), flight.details
+    assert "a second signal: ending the" in process.log()
     stops_cleanly(server)
 
 
