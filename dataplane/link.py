@@ -29,6 +29,7 @@ from common.transport import LinkConfig, close_inproc, configure_socket
 from protos import link_pb2
 
 log = logging.getLogger("splitserve.dataplane")
+_UNANSWERED_WARNING_S = 30.0  # how often a data plane nobody answers says so
 
 RELAY = b"msg"  # a message from the control plane, as raw LinkMessage bytes
 LOST = b"lost"  # the control plane went silent (the epoch is kept until a new Configure)
@@ -115,6 +116,7 @@ class _IOLoop:
         self.lost_since: float | None = None  # set while a control plane we had is gone
         self.last_sent = 0.0
         self.last_hello = 0.0
+        self.last_warned = 0.0  # that no control plane answers our Hellos
 
     def run(self, stop: threading.Event) -> None:
         poller = zmq.Poller()
@@ -140,6 +142,12 @@ class _IOLoop:
         if self.lost_since is not None and now - self.lost_since > config.controlplane_grace_s:
             log.error("no control plane for %.0fs; exiting", config.controlplane_grace_s)
             os._exit(EXIT_DROPPED)
+        if not self.epoch and self.lost_since is None and \
+                now - max(self.last_heard, self.last_warned) >= _UNANSWERED_WARNING_S:
+            self.last_warned = now
+            log.warning("no control plane has answered at %s for %.0fs (none listens there, or "
+                        "it does not take this data plane's CURVE keys); still saying Hello",
+                        self.link.address, now - self.last_heard)
         if (not self.epoch or self.lost_since is not None) and \
                 now - self.last_hello > config.hello_retry_s:
             self.last_hello = now  # in our epoch: the control plane that froze resumes us

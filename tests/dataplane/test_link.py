@@ -112,3 +112,17 @@ def test_a_closed_link_frees_its_address_at_once():
         link = ControlPlaneLink("inproc://unused", link_pb2.Hello(instance_id="again"),
                                 LinkConfig())
         link.close()
+
+
+def test_a_data_plane_no_control_plane_answers_says_so_every_half_minute(loop, caplog):
+    """One at a wrong address, or with CURVE keys the control plane does not take, said nothing
+    after 'connecting to' and kept saying Hello unheard."""
+    io, router, link = loop
+    io.epoch = 0  # never configured
+    start = io.last_heard
+    with caplog.at_level("WARNING", logger="splitserve.dataplane"):
+        for seconds in range(0, 95, 5):
+            io._tick(start + seconds)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 3, warnings  # after 30, 60 and 90 s
+    assert "no control plane has answered at inproc://unused for 30s" in warnings[0], warnings
