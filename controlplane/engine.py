@@ -285,8 +285,11 @@ class Engine:
             step.reply.cancel()
         self._in_flight.clear()
         lost = self.scheduler.preempt_all()
-        log.warning("data plane lost (%s); %d running requests wait up to %.0fs for another",
-                    error, len(lost), self.config.reattach_timeout_s)
+        if lost:
+            log.warning("data plane lost (%s); %d running requests wait up to %.0fs for another",
+                        error, len(lost), self.config.reattach_timeout_s)
+        else:
+            log.warning("data plane lost (%s); no requests were running", error)
         self.attachment = Attachment.REATTACHING
         self._reattach_timer = asyncio.create_task(self._give_up_after_timeout())
         self._on_state_change()
@@ -311,8 +314,12 @@ class Engine:
         await asyncio.sleep(self.config.reattach_timeout_s)
         if self.attachment is not Attachment.REATTACHING:
             return
-        log.error("no data plane within %.0fs; ending %d requests UNAVAILABLE",
-                  self.config.reattach_timeout_s, len(self.streams))
+        if self.streams:
+            log.error("no data plane within %.0fs; ending %d requests UNAVAILABLE",
+                      self.config.reattach_timeout_s, len(self.streams))
+        else:
+            log.warning("no data plane within %.0fs: not serving until one attaches",
+                        self.config.reattach_timeout_s)
         self.attachment = Attachment.DETACHED
         for request_id in list(self.streams):
             self.abort(request_id, FinishReason.UNAVAILABLE)

@@ -177,6 +177,22 @@ def test_no_data_plane_within_the_reattach_timeout_ends_requests_unavailable():
     assert after[-1].finish_reason is FinishReason.LENGTH
 
 
+def test_no_data_plane_after_an_idle_loss_is_a_warning_not_an_error_about_zero_requests(caplog):
+    config = EngineConfig(SchedulerConfig(max_num_seqs=4, max_model_len=64), reattach_timeout_s=0.1)
+
+    async def body(engine, dp):
+        dp.disconnect()
+        engine.on_link_change(False)
+        await until(lambda: engine.attachment is Attachment.DETACHED)
+
+    with caplog.at_level("INFO", logger="splitserve.engine"):
+        run(body, config)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("WARNING", "data plane lost (the link reports the data plane gone); no requests were running") in lines, lines
+    assert ("WARNING", "no data plane within 0s: not serving until one attaches") in lines, lines
+    assert not [line for line in lines if line[0] == "ERROR"], lines
+
+
 def test_a_request_in_repeatedly_failing_steps_fails_alone():
     fake = FakeDataPlane()
     fake.poison_token = 66
