@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import faulthandler
 import logging
+import os
 import pathlib
 import signal
 import sys
@@ -181,6 +182,13 @@ def _generate(args: argparse.Namespace) -> int:
                 last = chunk
         except grpc.RpcError as e:
             print(f"\nsplitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # (leaving the client aborts the request on the server)
+            print("\nsplitserve: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # `| head`: nobody reads the rest
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (exit's flush)
+            print("splitserve: output closed", file=sys.stderr)
             return 1
     usage = last.usage
     print()

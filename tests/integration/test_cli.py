@@ -1,5 +1,6 @@
 """The `splitserve` command as a user runs it."""
 
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +33,26 @@ def test_generate_streams_the_completion(server):
                                       ignore_eos=True).text
     assert result.stdout == expected + "\n"
     assert "[8 tokens" in result.stderr and "FINISH_REASON_LENGTH" in result.stderr
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "closed-pipe"])
+def test_generate_stopped_by_its_user_ends_in_one_line(server, how):
+    """Ctrl-C, or `| head`, mid-stream: the server aborts the request, and the client says so
+    without a traceback (it printed KeyboardInterrupt's or BrokenPipeError's)."""
+    client = subprocess.Popen(
+        [sys.executable, "-m", "splitserve", "generate", "--address", server.address,
+         "--max-tokens", "400", "--ignore-eos", "hi"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client.stdout.read(1)  # streaming
+    if how == "ctrl-c":
+        client.send_signal(signal.SIGINT)
+    else:
+        client.stdout.close()
+    _, stderr = client.communicate(timeout=60)
+    assert client.returncode == (130 if how == "ctrl-c" else 1), stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] in (
+        "splitserve: interrupted", "splitserve: output closed"), stderr
+    assert server.wait_idle()
 
 
 def test_generate_reports_invalid_arguments(server):
