@@ -34,8 +34,8 @@ def _link_config(args: argparse.Namespace, server: bool):
     secret = getattr(args, "link_secret_key", None)
     other = getattr(args, "link_authorized_keys" if server else "link_server_key", None)
     if (secret is None) != (other is None):
-        raise SystemExit("splitserve: CURVE needs both --link-secret-key and " +
-                         ("--link-authorized-keys" if server else "--link-server-key"))
+        raise ConfigError("CURVE needs both --link-secret-key and " +
+                          ("--link-authorized-keys" if server else "--link-server-key"))
     curve = None
     if secret is not None:
         curve = CurveKeys.server(secret, other) if server else CurveKeys.client(secret, other)
@@ -201,13 +201,21 @@ def _generate(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     if args.file is not None:
         import time
-        age = time.time() - args.file.stat().st_mtime if args.file.exists() else float("inf")
+        if not args.file.exists():
+            print(f"{args.file}: missing")
+            return 1
+        age = time.time() - args.file.stat().st_mtime
         print(f"{args.file}: {age:.1f}s old")
         return 0 if age <= args.max_age else 1
+    import grpc
     with _client(args) as client:
-        serving = client.is_serving(args.service, timeout=args.timeout)
-    print("SERVING" if serving else "NOT_SERVING")
-    return 0 if serving else 1
+        try:
+            status = client.health(args.service, timeout=args.timeout)
+        except grpc.RpcError as e:  # why the check failed: no server, no such service
+            print(f"{e.code().name}: {e.details()}")
+            return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -309,10 +309,11 @@ def _add_health_command(sub: argparse._SubParsersAction) -> None:
                     "default service \"\" is SERVING only while a data plane is attached (a "
                     "readiness check); \"liveness\" is SERVING while the control plane's loop "
                     "runs. With --file: exit 0 when the data plane touched the file within "
-                    "--max-age seconds.")
+                    "--max-age seconds. Prints the status, or why the check failed (e.g. "
+                    "UNAVAILABLE: no server at the address; NOT_FOUND: no such service).")
     _add_client(health)
     health.add_argument("--service", default="", help="health service name (default: \"\")")
-    health.add_argument("--timeout", type=float, default=5.0)
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     health.add_argument("--file", type=pathlib.Path, default=None,
                         help="a data plane's --liveness-file instead of a gRPC check")
-    health.add_argument("--max-age", type=float, default=30.0, help="seconds (with --file)")
+    health.add_argument("--max-age", type=float, default=30.0, help="seconds (with --file; default 30)")

@@ -128,13 +128,18 @@ class Client:
     def load(self) -> generation_pb2.Load:
         return self.stub.GetLoad(generation_pb2.GetLoadRequest(), metadata=self.metadata)
 
+    def health(self, service: str = "", timeout: float = 5.0) -> str:
+        """The service's status name (SERVING, NOT_SERVING); raises grpc.RpcError when the
+        check itself fails (no server there: UNAVAILABLE; no such service: NOT_FOUND)."""
+        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                          timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
     def is_serving(self, service: str = "", timeout: float = 5.0) -> bool:
         try:
-            response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
-                                              timeout=timeout)
+            return self.health(service, timeout) == "SERVING"
         except grpc.RpcError:
             return False
-        return response.status == health_pb2.HealthCheckResponse.SERVING
 
     def wait_until_serving(self, timeout: float) -> bool:
         """Poll health until SERVING (a data plane attached) or `timeout` seconds pass."""

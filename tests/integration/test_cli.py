@@ -65,10 +65,14 @@ def test_health_exit_codes(server, tmp_path):
     assert splitserve("health", "--address", server.address).returncode == 0
     for service in ("liveness", "splitserve.v1.Generation"):
         assert splitserve("health", "--address", server.address, "--service", service).returncode == 0
+    # why a check failed: no server there, or no such service (both were "NOT_SERVING")
     dead = splitserve("health", "--address", f"127.0.0.1:{harness.free_port()}", "--timeout", "1")
-    assert dead.returncode == 1 and "NOT_SERVING" in dead.stdout
+    assert dead.returncode == 1 and dead.stdout.startswith("UNAVAILABLE: "), dead.stdout
+    unknown = splitserve("health", "--address", server.address, "--service", "bogus")
+    assert unknown.returncode == 1 and unknown.stdout.startswith("NOT_FOUND: "), unknown.stdout
     beat = tmp_path / "alive"
-    assert splitserve("health", "--file", str(beat)).returncode == 1
+    missing = splitserve("health", "--file", str(beat))
+    assert missing.returncode == 1 and missing.stdout == f"{beat}: missing\n", missing.stdout
     beat.touch()
     assert splitserve("health", "--file", str(beat), "--max-age", "30").returncode == 0
 
@@ -96,6 +100,13 @@ def test_serve_with_invalid_flags_exits_at_once_with_the_reason(checkpoints):
                         "--tls-cert", "cert.pem", timeout=60)
     assert result.returncode != 0
     assert "--tls-cert and --tls-key go together" in result.stderr
+
+
+def test_half_a_curve_key_pair_is_a_usage_error(tmp_path):
+    result = splitserve("controlplane", "--model", str(tmp_path), "--dataplane-address",
+                        "tcp://127.0.0.1:5555", "--link-secret-key", str(tmp_path / "k"))
+    assert result.returncode == 2, result.stderr
+    assert "CURVE needs both --link-secret-key and --link-authorized-keys" in result.stderr
 
 
 @pytest.mark.parametrize("args, message", [
