@@ -213,8 +213,13 @@ def _bind(sock: socket.socket, address: tuple, host: str, port: int) -> None:
     try:
         sock.bind(address)
     except OSError as e:
-        why = "is in use (another server?)" if e.errno == errno.EADDRINUSE else "cannot be bound"
-        raise ConfigError(f"port {port} of {host} {why}: {e.strerror}") from None
+        raise bind_error(f"port {port} of {host}", e) from None
+
+
+def bind_error(what: str, error: OSError | zmq.ZMQError) -> ConfigError:
+    """The one-line error for an address of the user's that could not be bound."""
+    why = "is in use (another server?)" if error.errno == errno.EADDRINUSE else "cannot be bound"
+    return ConfigError(f"{what} {why}: {error.strerror}")
 
 
 def private_ipc_address(name: str = "link") -> str:

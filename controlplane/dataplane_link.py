@@ -20,7 +20,6 @@ not go out is repeated or dropped.
 """
 
 import asyncio
-import errno
 import logging
 import time
 
@@ -30,9 +29,9 @@ import zmq.auth.asyncio
 import zmq.utils.monitor
 
 from common import framing
-from common.errors import ConfigError
 from common.model_info import ModelInfo
-from common.transport import PROTOCOL_VERSION, LinkConfig, configure_socket, warn_if_exposed
+from common.transport import PROTOCOL_VERSION, LinkConfig, bind_error, configure_socket, \
+    warn_if_exposed
 from controlplane.dataplane_client import DataPlaneInfo, DataPlaneLost
 from protos import link_pb2
 
@@ -100,8 +99,7 @@ class DataPlaneLink:
             self._sock.close(linger=0)
             self._monitor_sock.close()
             self._sock = None
-            why = "is in use" if e.errno == errno.EADDRINUSE else "cannot be bound"
-            raise ConfigError(f"--dataplane-address {self.address} {why}: {e.strerror}") from None
+            raise bind_error(f"--dataplane-address {self.address}", e) from None
         self._tasks = [asyncio.create_task(self._reader(), name="link-reader"),
                        asyncio.create_task(self._watchdog(), name="link-watchdog"),
                        asyncio.create_task(self._monitor(self._monitor_sock), name="link-monitor")]
