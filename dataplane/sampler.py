@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the generator's seed space
+_SEED_MIX = 0x9E3779B97F4A7C15  # SplitMix64's increment, 2^64 over the golden ratio
+_MASK_64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,19 @@ def compile_kernels(logits: torch.Tensor) -> None:
 
 
 def _seed_key(seed: int, output_index: int) -> int:
-    return (seed * _SEED_MIX + output_index) % (1 << 63)
+    """The generator's key (63 bits, as torch and Philox take it) for a request's uint64 seed at
+    one output token. All 64 bits of the seed are mixed before the top one is dropped: a plain
+    product modulo 2^63 gave seeds 2^63 apart the same tokens."""
+    return _mix64((_mix64(seed) + output_index) & _MASK_64) >> 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection on 64 bits in which every input bit moves about half
+    of the output bits."""
+    x = (x + _SEED_MIX) & _MASK_64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return x ^ (x >> 31)
 
 
 def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

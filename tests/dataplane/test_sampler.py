@@ -157,6 +157,15 @@ def test_seeded_rows_ignore_the_rest_of_the_batch():
     assert len(set(alone)) > 1, "a seeded row must still vary with the output index"
 
 
+@pytest.mark.parametrize("seed", [0, 1234, 2**63 - 1])
+def test_seeds_that_differ_in_the_top_bit_draw_differently(seed):
+    """Every bit of the API's uint64 seed counts: seeds 2^63 apart are different streams."""
+    logits = torch.zeros(1, VOCAB)  # uniform: 20 draws from two streams coincide by chance ~1e-34
+    draws = [[sample(logits, make_batch([{"seed": s}], [[0]], [[0] * n])).token_ids.item()
+              for n in range(20)] for s in (seed, seed + 2**63)]
+    assert draws[0] != draws[1]
+
+
 def test_sampling_follows_the_distribution():
     """Unseeded draws: empirical frequencies within 4 sigma of the target probabilities."""
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4))
