@@ -90,6 +90,7 @@ async def run_rate(address: str, requests, rate: float, temperature: float, seed
     request's timing and the seconds from the first send to the last reply."""
     rng = np.random.default_rng(seed)
     async with AsyncClient(address) as client:
+        await client.channel.channel_ready()  # (the connect is not the first request's TTFT)
         start = time.perf_counter()
         tasks = []
         for prompt, max_tokens in requests:
