@@ -61,6 +61,7 @@ class InstantDataPlane:
     """Answers each step at once with token 7 for every row that reaches its known tokens."""
 
     is_attached = True
+    last_loss_reason = None
 
     def __init__(self) -> None:
         self.num_tokens: dict[int, int] = {}

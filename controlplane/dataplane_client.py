@@ -35,6 +35,12 @@ class DataPlaneClient(Protocol):
     @property
     def is_attached(self) -> bool: ...
 
+    @property
+    def last_loss_reason(self) -> str | None:
+        """Why the last data plane went (None while none has): the engine logs it for a loss it
+        notices while no step is in flight, which would otherwise fail with the reason."""
+        ...
+
     async def attach(self) -> DataPlaneInfo:
         """Wait until a data plane has completed its handshake; returns what it reported."""
         ...

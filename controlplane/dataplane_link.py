@@ -72,6 +72,7 @@ class DataPlaneLink:
         # Why each data plane was last refused: a refused one says Hello again every second,
         # and its log line is worth writing when the reason is new, not each time.
         self._instance_to_refusal: dict[str, str] = {}
+        self.last_loss_reason: str | None = None  # (DataPlaneClient)
         self.num_dropped = 0  # malformed, replayed or stale messages
         self.num_retransmits = 0
         self.bytes_sent = 0
@@ -189,6 +190,7 @@ class DataPlaneLink:
         is not lost (its supervisor stops it, or it waits for the next control plane), and the
         owner of the closing link gets no call to replace it."""
         self._peer = None
+        self.last_loss_reason = reason
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(DataPlaneLost(reason, failed_step_id))

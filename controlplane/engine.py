@@ -331,7 +331,7 @@ class Engine:
         while not self._closing:
             if not self._in_flight and not self.dataplane.is_attached:
                 # (with steps in flight, their replies say what happened, e.g. which one failed)
-                raise DataPlaneLost("the link reports the data plane gone")
+                raise DataPlaneLost(self.dataplane.last_loss_reason or "no reason given")
             while len(self._in_flight) < self.config.pipeline_depth and self._launch(epoch):
                 pass
             if not self._in_flight:

@@ -43,6 +43,10 @@ class InProcessDataPlane:
     def is_attached(self) -> bool:
         return self.info is not None
 
+    @property
+    def last_loss_reason(self) -> str | None:
+        return None  # (it is never lost: a failure here raises)
+
     async def attach(self) -> DataPlaneInfo:
         if self.info is None:
             num_blocks = self.runner.configure(self.limits)

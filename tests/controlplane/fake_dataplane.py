@@ -20,6 +20,7 @@ class FakeDataPlane:
         self.poison_token: int | None = None  # a step with a request holding it fails
         self.num_steps = 0
         self.dropped: str | None = None  # why the engine gave up on it
+        self.last_loss_reason: str | None = None  # (DataPlaneClient)
 
     @property
     def is_attached(self) -> bool:
@@ -31,12 +32,13 @@ class FakeDataPlane:
         self.tokens = {}
         self.attached.set()
 
-    def disconnect(self) -> None:
+    def disconnect(self, reason: str = "the fake data plane went") -> None:
         self.attached.clear()
+        self.last_loss_reason = reason
 
     def drop(self, reason: str) -> None:
         self.dropped = reason
-        self.disconnect()
+        self.disconnect(reason)
 
     async def attach(self) -> DataPlaneInfo:
         await self.attached.wait()

@@ -236,6 +236,21 @@ def test_kill_9_cycles_lose_nothing(model, expected, tmp_path):
           [(round(d, 3), round(r, 2)) for d, r in figures])
 
 
+def test_an_idle_data_plane_killed_is_logged_with_the_links_reason(model, tmp_path):
+    """kill -9 of the data plane with nothing running: the engine's line gives the reason the
+    link lost it for (it said "the link reports the data plane gone")."""
+    server = harness.serve(model, tmp_path, "--num-kv-blocks", "64")
+    try:
+        os.kill(dataplane_pid(server), signal.SIGKILL)
+        process = server.processes[0]
+        link = process.wait_for_log(r"splitserve\.link: data plane \w+ lost: (.*)", 30)
+        engine = process.wait_for_log(
+            r"splitserve\.engine: data plane lost \((.*)\); no requests were running", 30)
+        assert engine.group(1) == link.group(1), process.log()
+    finally:
+        server.stop()
+
+
 def test_kill_9_without_replacement_ends_streams_unavailable(model, tmp_path):
     link = f"tcp://127.0.0.1:{harness.free_port()}"
     server = harness.controlplane(model, tmp_path, link, "--reattach-timeout", "2")
