@@ -118,7 +118,8 @@ class FrontendLink:
                 if task is not None:
                     task.cancel()
             elif body == "hello" and identity not in self._frontends:
-                log.info("a gRPC front-end serves on port %d", message.hello.port)
+                # (the front-end's own INFO line says so, also when a restarted one serves)
+                log.debug("a gRPC front-end serves on port %d", message.hello.port)
                 self._frontends[identity] = time.monotonic()
                 self.state_changed()
                 self.on_hello(message.hello.port)

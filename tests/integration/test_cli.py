@@ -25,6 +25,14 @@ def server(checkpoints, tmp_path_factory):
     s.stop()
 
 
+def test_serve_logs_one_line_for_its_front_end_serving(server):
+    """The front-end said it serves, then the engine said it again on hearing from it ("front-end
+    serving gRPC on HOST:PORT", "a gRPC front-end serves on port PORT")."""
+    lines = [line for line in server.log().splitlines()
+             if "splitserve.frontend" in line and str(server.port) in line]
+    assert len(lines) == 1, lines
+
+
 def test_generate_streams_the_completion(server):
     result = splitserve("generate", "--address", server.address, "--max-tokens", "8",
                         "--temperature", "0", "--ignore-eos", "The quick brown fox")
