@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import pathlib
+import shutil
 import tempfile
 import urllib.parse
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import zmq.auth
 from common.errors import ConfigError
 
 PROTOCOL_VERSION = 1
+_PRIVATE_IPC_PREFIX = "splitserve-"
 log = logging.getLogger("splitserve.transport")
 
 
@@ -223,7 +225,17 @@ def bind_error(what: str, error: OSError | zmq.ZMQError) -> ConfigError:
 
 
 def private_ipc_address(name: str = "link") -> str:
-    """An ipc:// endpoint in a fresh directory only this user can enter."""
-    directory = tempfile.mkdtemp(prefix="splitserve-")
+    """An ipc:// endpoint in a fresh directory only this user can enter. Its maker removes it
+    (remove_private_ipc) once done with it."""
+    directory = tempfile.mkdtemp(prefix=_PRIVATE_IPC_PREFIX)
     os.chmod(directory, 0o700)
     return f"ipc://{directory}/{name}.sock"
+
+
+def remove_private_ipc(address: str) -> None:
+    """Remove the directory private_ipc_address made for `address`, its sockets closed, so that
+    a server that stops leaves nothing in /tmp. An address it did not make is left alone."""
+    directory = pathlib.Path(address.removeprefix("ipc://")).parent
+    if address.startswith("ipc://") and directory.name.startswith(_PRIVATE_IPC_PREFIX):
+        # (errors ignored: libzmq unlinks a closed socket's file later, in its own thread)
+        shutil.rmtree(directory, ignore_errors=True)

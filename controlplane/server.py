@@ -22,7 +22,7 @@ from grpc_health.v1 import health
 from common.errors import ConfigError
 from common.model_info import ModelInfo
 from common.transport import LinkConfig, check_tcp_port_free, private_ipc_address, \
-    reserve_tcp_port
+    remove_private_ipc, reserve_tcp_port
 from controlplane.api_server import GenerationServicer
 from controlplane.dataplane_link import DataPlaneLink
 from controlplane.engine import Engine, EngineConfig
@@ -99,6 +99,7 @@ class ControlPlane:
         self._spawn = spawn
         self.frontend_supervisors: list = []
         self.frontend_link: FrontendLink | None = None
+        self._frontend_address: str | None = None  # (a private ipc:// address, removed at stop)
         self._port_reservation: socket.socket | None = None
         self.model = ModelInfo.from_dir(config.model_dir)
         self.engine_config = config.engine_config(self.model)
@@ -171,6 +172,7 @@ class ControlPlane:
             port = self._port_reservation.getsockname()[1]
         address = private_ipc_address("frontend")
         self.frontend_link = FrontendLink(address, servicer, serving=lambda: self.is_serving)
+        self._frontend_address = address
         started = asyncio.Event()
         self.frontend_link.on_hello = lambda _: started.set()
         await self.frontend_link.start()
@@ -226,6 +228,7 @@ class ControlPlane:
             await asyncio.gather(*(frontend.stop() for frontend in self.frontend_supervisors))
         if self.frontend_link is not None:
             await self.frontend_link.close()
+            remove_private_ipc(self._frontend_address)
         if self._port_reservation is not None:
             self._port_reservation.close()
         if self.engine_task is not None:

@@ -95,12 +95,20 @@ def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str)
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from common.transport import private_ipc_address
-    from controlplane.server import ControlPlane, run_until_signal
+    from common.transport import private_ipc_address, remove_private_ipc
     from splitserve.default_model import ensure_default_model
 
     model = args.model or ensure_default_model()
     address = private_ipc_address()
+    try:
+        await _serve_on(args, model, address)
+    finally:
+        remove_private_ipc(address)  # (its two ends are closed: the link, the data plane)
+
+
+async def _serve_on(args: argparse.Namespace, model: pathlib.Path, address: str) -> None:
+    from controlplane.server import ControlPlane, run_until_signal
+
     # invalid flags and model directories fail before any child starts; a data plane the
     # control plane gave up on (hung, frozen) is killed and started again
     control_plane = ControlPlane(_controlplane_config(args, model, address),

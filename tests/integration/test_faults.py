@@ -4,9 +4,11 @@ no KV block leaked, no process orphaned."""
 import concurrent.futures
 import datetime
 import os
+import pathlib
 import re
 import signal
 import socket
+import tempfile
 import threading
 import time
 
@@ -441,6 +443,20 @@ def stops_cleanly(server) -> None:
     shutdown = log[log.index("draining:"):]
     assert " lost" not in shutdown and "killing" not in shutdown, shutdown
     assert "data plane exited on SIGTERM (code 0)" in shutdown, shutdown
+
+
+def test_a_stopped_server_leaves_no_socket_directory(model, tmp_path, monkeypatch):
+    """serve's private ipc:// directories (the data-plane link's, the front-end link's) go with
+    it: each run left two /tmp/splitserve-* behind."""
+    # (a short TMPDIR: a socket's path has room for ~107 bytes)
+    with tempfile.TemporaryDirectory(prefix="ss") as tmp:
+        monkeypatch.setenv("TMPDIR", tmp)
+        server = harness.serve(model, tmp_path, "--num-kv-blocks", "64")
+        made = list(pathlib.Path(tmp).glob("splitserve-*"))
+        server.processes[0].popen.send_signal(signal.SIGTERM)
+        stops_cleanly(server)
+        assert len(made) == 2, made
+        assert not list(pathlib.Path(tmp).glob("splitserve-*"))
 
 
 @pytest.mark.parametrize("to", ["process", "group"])
