@@ -60,17 +60,23 @@ class Supervisor:
                           "restarting it again", self.name, code, num_quick_exits,
                           self.healthy_after_s)
                 return
-            log.warning("%s exited with code %s; restarting in %.1fs", self.name, code, backoff)
+            log.warning("%s %s; restarting in %.1fs", self.name, _how_it_ended(code), backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff_s)
 
     def restart(self) -> None:
         """Kill the child (the run loop starts a new one): for a data plane the control plane
-        declared lost but which may still run, frozen or hung."""
+        declared lost but which may still run, frozen or hung. One that has ended already (the
+        control plane can see its connection drop before this process reaps it) is left to
+        the run loop, which logs how it ended."""
         process = self.process
-        if process is not None and process.returncode is None and not self._stopping:
-            log.warning("killing %s pid %d (declared lost)", self.name, process.pid)
-            process.kill()
+        if process is None or process.returncode is not None or self._stopping:
+            return
+        if _has_ended(process.pid):
+            log.debug("%s pid %d (declared lost) has ended already", self.name, process.pid)
+            return
+        log.warning("killing %s pid %d (declared lost)", self.name, process.pid)
+        process.kill()
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM the child (SIGKILL after `timeout_s`) and end the run loop."""
@@ -87,3 +93,22 @@ class Supervisor:
                 await process.wait()
         if self.task is not None:
             self.task.cancel()
+
+
+def _has_ended(pid: int) -> bool:
+    """Whether our child `pid` has exited, without reaping it: asyncio's child watcher reaps it
+    and hands the run loop its status (a reap here would take that status away)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already; the loop has yet to hear of it
+        return True
+
+
+def _how_it_ended(code: int) -> str:
+    """asyncio's returncode in words (a negative one is minus the signal that ended it)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:  # (a real-time signal, say)
+        return f"was killed by signal {-code}"
