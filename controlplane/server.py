@@ -216,26 +216,30 @@ class ControlPlane:
             log.warning("drain over: %d requests ended UNAVAILABLE", cut)
         await self.stop()
 
-    async def stop(self, grace_s: float = 1.0) -> None:
+    async def stop(self, grace_s: float = 1.0, after_failure: bool = False) -> None:
+        """Stop what start started. After a failure its steps are DEBUG lines: the caller
+        raises the failure, whose line the operator should not find under the cleanup's."""
+        level = logging.DEBUG if after_failure else logging.INFO
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.shutdown)  # (waits for its poll: 0.5 s)
             self.metrics_server.server_close()
         if self.server is not None:
-            log.info("stopping the gRPC server")
+            log.log(level, "stopping the gRPC server")
             await self.server.stop(grace_s)
         if self.frontend_supervisors:
-            log.info("stopping the gRPC front-ends")
-            await asyncio.gather(*(frontend.stop() for frontend in self.frontend_supervisors))
+            log.log(level, "stopping the gRPC front-ends")
+            await asyncio.gather(*(frontend.stop(after_failure=after_failure)
+                                   for frontend in self.frontend_supervisors))
         if self.frontend_link is not None:
             await self.frontend_link.close()
             remove_private_ipc(self._frontend_address)
         if self._port_reservation is not None:
             self._port_reservation.close()
         if self.engine_task is not None:
-            log.info("stopping the engine")
+            log.log(level, "stopping the engine")
             self.engine.close()
             await asyncio.gather(self.engine_task, return_exceptions=True)
-        log.info("closing the link")
+        log.log(level, "closing the link")
         await self.link.close()
 
 
@@ -247,7 +251,7 @@ async def run_until_signal(control_plane: ControlPlane, children: Sequence = ())
         await control_plane.start()
     except Exception:  # (a port or the link's address in use): undo what started
         with contextlib.suppress(Exception):
-            await control_plane.stop()
+            await control_plane.stop(after_failure=True)
         raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -262,11 +266,11 @@ async def run_until_signal(control_plane: ControlPlane, children: Sequence = ())
                                  return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     if engine_task.done():
-        await control_plane.stop()
+        await control_plane.stop(after_failure=True)
         raise RuntimeError("the engine loop stopped") from engine_task.exception()
     gave_up = [task for task in done if task in supervised]
     if gave_up:
-        await control_plane.stop()
+        await control_plane.stop(after_failure=True)
         if isinstance(gave_up[0].exception(), ConfigError):  # (it refused its flags)
             raise gave_up[0].exception()
         raise RuntimeError(f"the {supervised[gave_up[0]]} keeps exiting; stopping")

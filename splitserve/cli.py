@@ -114,11 +114,14 @@ async def _serve_on(args: argparse.Namespace, model: pathlib.Path, address: str)
     control_plane = ControlPlane(_controlplane_config(args, model, address),
                                  on_dataplane_lost=lambda: supervisor.restart(), spawn=_spawn)
     supervisor = _spawn(["dataplane", *_dataplane_argv(args, model, address)], "data plane")
+    failed = True
     try:
         await run_until_signal(control_plane, children=[supervisor])
-    finally:
-        logging.getLogger("splitserve.supervisor").info("stopping the data plane")
-        await supervisor.stop()
+        failed = False
+    finally:  # (after a failure, quietly: its error is the line to read, printed next)
+        logging.getLogger("splitserve.supervisor").log(
+            logging.DEBUG if failed else logging.INFO, "stopping the data plane")
+        await supervisor.stop(after_failure=failed)
 
 
 async def _controlplane(args: argparse.Namespace) -> None:

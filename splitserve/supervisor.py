@@ -78,15 +78,17 @@ class Supervisor:
         log.warning("killing %s pid %d (declared lost)", self.name, process.pid)
         process.kill()
 
-    async def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM the child (SIGKILL after `timeout_s`) and end the run loop."""
+    async def stop(self, timeout_s: float = 5.0, after_failure: bool = False) -> None:
+        """SIGTERM the child (SIGKILL after `timeout_s`) and end the run loop. After a failure
+        the child's exit is a DEBUG line (the failure's own line is the one to read)."""
         self._stopping = True
         process = self.process
         if process is not None and process.returncode is None:
             process.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(process.wait(), timeout_s)
-                log.info("%s exited on SIGTERM (code %s)", self.name, process.returncode)
+                log.log(logging.DEBUG if after_failure else logging.INFO,
+                        "%s exited on SIGTERM (code %s)", self.name, process.returncode)
             except TimeoutError:
                 log.warning("%s still runs %.0fs after SIGTERM: killing it", self.name, timeout_s)
                 process.kill()

@@ -18,6 +18,13 @@ def splitserve(*args, timeout=60):
                           text=True, timeout=timeout)
 
 
+def cleanup_lines(output: str) -> list[str]:
+    """The lines of a stop's steps. After a failed start they hid its cause: the operator read
+    'closing the link', 'stopping the data plane', ... first and the error last."""
+    steps = ("stopping the", "closing the link", "exited on SIGTERM")
+    return [line for line in output.splitlines() if any(step in line for step in steps)]
+
+
 @pytest.fixture(scope="module")
 def server(checkpoints, tmp_path_factory):
     s = harness.serve(checkpoints["untied"], tmp_path_factory.mktemp("cli"), "--num-kv-blocks", "64")
@@ -145,6 +152,7 @@ def test_serve_on_a_port_another_server_holds_fails_instead_of_sharing_it(server
     assert result.returncode == 2, result.stderr
     assert f"port {server.port} of 127.0.0.1 is in use" in result.stderr.splitlines()[-1]
     assert "Traceback" not in result.stderr
+    assert not cleanup_lines(result.stderr), result.stderr
     assert server.client.model_info().max_model_len  # the first one still serves
 
 
@@ -158,6 +166,7 @@ def test_serve_stops_at_once_when_its_data_plane_refuses_its_flags(checkpoints):
     assert "splitserve dataplane: error: --device cuda: torch sees no CUDA device" in result.stderr
     assert "refused its configuration" in result.stderr.splitlines()[-1]
     assert "Traceback" not in result.stderr
+    assert not cleanup_lines(result.stderr), result.stderr
 
 
 def test_demo_model_into_a_file_is_an_error(tmp_path):
@@ -185,5 +194,6 @@ def test_a_link_address_in_use_is_one_line(checkpoints, tmp_path):
         assert result.returncode == 2, result.stderr
         assert f"--dataplane-address {link} is in use" in result.stderr.splitlines()[-1]
         assert "Traceback" not in result.stderr
+        assert not cleanup_lines(result.stderr), result.stderr
     finally:
         first.stop()
