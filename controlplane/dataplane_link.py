@@ -8,8 +8,8 @@ configures, `configure_timeout_s`, since a kernel compile can keep that thread o
 when a step reply misses its deadline, or when it reports a failed step. A step whose reply is late is sent again
 (with backoff) before its deadline, so a lost message costs a retransmission, not a data plane. Loss fails the step in flight with
 DataPlaneLost, and the lost data plane is told to exit (a Reject in its epoch), except when the
-control plane itself stops: a data plane waits `--controlplane-grace` for the next one, weights
-loaded.
+control plane itself stops: it says Goodbye, and a data plane waits `--controlplane-grace` for
+the next one, weights loaded.
 
 A control plane that froze (stopped, starved of CPU) past the heartbeat timeout has not lost its
 data plane. On waking it judges neither the data plane's silence nor a step's deadline before it
@@ -106,6 +106,11 @@ class DataPlaneLink:
                        asyncio.create_task(self._monitor(self._monitor_sock), name="link-monitor")]
 
     async def close(self) -> None:
+        """Stop. The data plane is told first (Goodbye), so that it waits for the next control
+        plane without taking this one's silence for a fault."""
+        if self._peer is not None and self._sock is not None:
+            await self._send(self._peer, link_pb2.LinkMessage(goodbye=link_pb2.Goodbye()),
+                             fatal=False)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -113,7 +118,7 @@ class DataPlaneLink:
         if self._sock is not None:
             self._sock.disable_monitor()
             self._monitor_sock.close()
-            self._sock.close()
+            self._sock.close(linger=500)  # (the Goodbye may still be on its way out)
         if self._auth is not None:
             self._auth.stop()
 

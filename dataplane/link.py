@@ -4,7 +4,8 @@ The thread heartbeats every `heartbeat_interval_s` (also while the main thread i
 forward pass), repeats Hello until the control plane configures it, drops malformed, replayed
 and stale messages, and relays the rest to the main thread over an inproc pair socket. It ends
 the process when the control plane declares this data plane lost (a Reject in its epoch), or
-when no control plane has been heard for `controlplane_grace_s`.
+when no control plane has been heard for `controlplane_grace_s` (counted from its Goodbye, when
+it stopped cleanly).
 
 A control plane silent for `heartbeat_timeout_s` may be gone or only frozen (stopped, starved of
 CPU); one whose messages wait unread was not silent (this thread was kept off the GIL, by a
@@ -202,9 +203,21 @@ class _IOLoop:
             self.link.num_dropped += 1
             return
         self.last_seq_in = message.seq
+        if kind == "goodbye":
+            self._on_goodbye()
+            return
         self.last_heard = time.monotonic()
         if self.lost_since is not None:
             log.warning("control plane back after %.1fs", self.last_heard - self.lost_since)
             self.lost_since = None
         if kind != "heartbeat":
             self.pair.send_multipart([RELAY, frames[0]])
+
+    def _on_goodbye(self) -> None:
+        """The control plane stops (SIGTERM: a planned restart, say): wait for the next one as
+        for one gone silent (Hello in this epoch, the grace period running), without its
+        warning."""
+        if self.epoch and self.lost_since is None:
+            log.info("control plane closed; waiting up to %.0fs for it to come back",
+                     self.link.config.controlplane_grace_s)
+            self.lost_since = time.monotonic()

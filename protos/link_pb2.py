@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/link.proto\x12\x12splitserve.link.v1\"\xb5\x03\n\x0bLinkMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12*\n\x05hello\x18\n \x01(\x0b\x32\x19.splitserve.link.v1.HelloH\x00\x12\x32\n\tconfigure\x18\x0b \x01(\x0b\x32\x1d.splitserve.link.v1.ConfigureH\x00\x12*\n\x05ready\x18\x0c \x01(\x0b\x32\x19.splitserve.link.v1.ReadyH\x00\x12(\n\x04step\x18\r \x01(\x0b\x32\x18.splitserve.link.v1.StepH\x00\x12\x35\n\x0bstep_result\x18\x0e \x01(\x0b\x32\x1e.splitserve.link.v1.StepResultH\x00\x12\x32\n\theartbeat\x18\x0f \x01(\x0b\x32\x1d.splitserve.link.v1.HeartbeatH\x00\x12,\n\x06reject\x18\x10 \x01(\x0b\x32\x1a.splitserve.link.v1.RejectH\x00\x12\x33\n\nstep_error\x18\x11 \x01(\x0b\x32\x1d.splitserve.link.v1.StepErrorH\x00\x42\x06\n\x04\x62ody\"\xd8\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\"n\n\tConfigure\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x04 \x01(\r\"M\n\x05Ready\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x03 \x01(\t\"5\n\x06Reject\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x1b\n\x13\x61nother_is_attached\x18\x02 \x01(\x08\"-\n\tStepError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x96\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x1c\n\x14suppressed_token_ids\x18\n \x01(\x0c\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x93\x01\n\nNewRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x35\n\x08sampling\x18\x05 \x01(\x0b\x32#.splitserve.link.v1.SamplingOptions\"\xf5\x01\n\x04Step\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66reed_slots\x18\x02 \x01(\x0c\x12\x34\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1e.splitserve.link.v1.NewRequest\x12\r\n\x05slots\x18\x04 \x01(\x0c\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\x0c\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\x0c\x12\x16\n\x0enum_new_blocks\x18\x07 \x01(\x0c\x12\x15\n\rnew_block_ids\x18\x08 \x01(\x0c\x12\x18\n\x10previous_step_id\x18\t \x01(\x04\"m\n\x07Timings\x12\x12\n\nforward_ms\x18\x01 \x01(\x02\x12\x11\n\tsample_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02\x12\x16\n\x0e\x64\x65vice_idle_ms\x18\x04 \x01(\x02\x12\x11\n\tdevice_ms\x18\x05 \x01(\x02\"\xad\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x01(\x0c\x12\x18\n\x10sampled_logprobs\x18\x03 \x01(\x0c\x12\x15\n\rtop_token_ids\x18\x04 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x05 \x01(\x0c\x12,\n\x07timings\x18\x06 \x01(\x0b\x32\x1b.splitserve.link.v1.Timings\"\x0b\n\tHeartbeatb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/link.proto\x12\x12splitserve.link.v1\"\xe5\x03\n\x0bLinkMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12*\n\x05hello\x18\n \x01(\x0b\x32\x19.splitserve.link.v1.HelloH\x00\x12\x32\n\tconfigure\x18\x0b \x01(\x0b\x32\x1d.splitserve.link.v1.ConfigureH\x00\x12*\n\x05ready\x18\x0c \x01(\x0b\x32\x19.splitserve.link.v1.ReadyH\x00\x12(\n\x04step\x18\r \x01(\x0b\x32\x18.splitserve.link.v1.StepH\x00\x12\x35\n\x0bstep_result\x18\x0e \x01(\x0b\x32\x1e.splitserve.link.v1.StepResultH\x00\x12\x32\n\theartbeat\x18\x0f \x01(\x0b\x32\x1d.splitserve.link.v1.HeartbeatH\x00\x12,\n\x06reject\x18\x10 \x01(\x0b\x32\x1a.splitserve.link.v1.RejectH\x00\x12\x33\n\nstep_error\x18\x11 \x01(\x0b\x32\x1d.splitserve.link.v1.StepErrorH\x00\x12.\n\x07goodbye\x18\x12 \x01(\x0b\x32\x1b.splitserve.link.v1.GoodbyeH\x00\x42\x06\n\x04\x62ody\"\xd8\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\"n\n\tConfigure\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x04 \x01(\r\"M\n\x05Ready\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x03 \x01(\t\"5\n\x06Reject\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x1b\n\x13\x61nother_is_attached\x18\x02 \x01(\x08\"\t\n\x07Goodbye\"-\n\tStepError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x96\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x1c\n\x14suppressed_token_ids\x18\n \x01(\x0c\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x93\x01\n\nNewRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x35\n\x08sampling\x18\x05 \x01(\x0b\x32#.splitserve.link.v1.SamplingOptions\"\xf5\x01\n\x04Step\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66reed_slots\x18\x02 \x01(\x0c\x12\x34\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1e.splitserve.link.v1.NewRequest\x12\r\n\x05slots\x18\x04 \x01(\x0c\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\x0c\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\x0c\x12\x16\n\x0enum_new_blocks\x18\x07 \x01(\x0c\x12\x15\n\rnew_block_ids\x18\x08 \x01(\x0c\x12\x18\n\x10previous_step_id\x18\t \x01(\x04\"m\n\x07Timings\x12\x12\n\nforward_ms\x18\x01 \x01(\x02\x12\x11\n\tsample_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02\x12\x16\n\x0e\x64\x65vice_idle_ms\x18\x04 \x01(\x02\x12\x11\n\tdevice_ms\x18\x05 \x01(\x02\"\xad\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x01(\x0c\x12\x18\n\x10sampled_logprobs\x18\x03 \x01(\x0c\x12\x15\n\rtop_token_ids\x18\x04 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x05 \x01(\x0c\x12,\n\x07timings\x18\x06 \x01(\x0b\x32\x1b.splitserve.link.v1.Timings\"\x0b\n\tHeartbeatb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,27 +32,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.link_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LINKMESSAGE']._serialized_start=42
-  _globals['_LINKMESSAGE']._serialized_end=479
-  _globals['_HELLO']._serialized_start=482
-  _globals['_HELLO']._serialized_end=698
-  _globals['_CONFIGURE']._serialized_start=700
-  _globals['_CONFIGURE']._serialized_end=810
-  _globals['_READY']._serialized_start=812
-  _globals['_READY']._serialized_end=889
-  _globals['_REJECT']._serialized_start=891
-  _globals['_REJECT']._serialized_end=944
-  _globals['_STEPERROR']._serialized_start=946
-  _globals['_STEPERROR']._serialized_end=991
-  _globals['_SAMPLINGOPTIONS']._serialized_start=994
-  _globals['_SAMPLINGOPTIONS']._serialized_end=1272
-  _globals['_NEWREQUEST']._serialized_start=1275
-  _globals['_NEWREQUEST']._serialized_end=1422
-  _globals['_STEP']._serialized_start=1425
-  _globals['_STEP']._serialized_end=1670
-  _globals['_TIMINGS']._serialized_start=1672
-  _globals['_TIMINGS']._serialized_end=1781
-  _globals['_STEPRESULT']._serialized_start=1784
-  _globals['_STEPRESULT']._serialized_end=1957
-  _globals['_HEARTBEAT']._serialized_start=1959
-  _globals['_HEARTBEAT']._serialized_end=1970
+  _globals['_LINKMESSAGE']._serialized_end=527
+  _globals['_HELLO']._serialized_start=530
+  _globals['_HELLO']._serialized_end=746
+  _globals['_CONFIGURE']._serialized_start=748
+  _globals['_CONFIGURE']._serialized_end=858
+  _globals['_READY']._serialized_start=860
+  _globals['_READY']._serialized_end=937
+  _globals['_REJECT']._serialized_start=939
+  _globals['_REJECT']._serialized_end=992
+  _globals['_GOODBYE']._serialized_start=994
+  _globals['_GOODBYE']._serialized_end=1003
+  _globals['_STEPERROR']._serialized_start=1005
+  _globals['_STEPERROR']._serialized_end=1050
+  _globals['_SAMPLINGOPTIONS']._serialized_start=1053
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1331
+  _globals['_NEWREQUEST']._serialized_start=1334
+  _globals['_NEWREQUEST']._serialized_end=1481
+  _globals['_STEP']._serialized_start=1484
+  _globals['_STEP']._serialized_end=1729
+  _globals['_TIMINGS']._serialized_start=1731
+  _globals['_TIMINGS']._serialized_end=1840
+  _globals['_STEPRESULT']._serialized_start=1843
+  _globals['_STEPRESULT']._serialized_end=2016
+  _globals['_HEARTBEAT']._serialized_start=2018
+  _globals['_HEARTBEAT']._serialized_end=2029
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LinkMessage(_message.Message):
-    __slots__ = ("seq", "epoch", "hello", "configure", "ready", "step", "step_result", "heartbeat", "reject", "step_error")
+    __slots__ = ("seq", "epoch", "hello", "configure", "ready", "step", "step_result", "heartbeat", "reject", "step_error", "goodbye")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class LinkMessage(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     REJECT_FIELD_NUMBER: _ClassVar[int]
     STEP_ERROR_FIELD_NUMBER: _ClassVar[int]
+    GOODBYE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     epoch: int
     hello: Hello
@@ -28,7 +29,8 @@ class LinkMessage(_message.Message):
     heartbeat: Heartbeat
     reject: Reject
     step_error: StepError
-    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., configure: _Optional[_Union[Configure, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., step_result: _Optional[_Union[StepResult, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., step_error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    goodbye: Goodbye
+    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., configure: _Optional[_Union[Configure, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., step_result: _Optional[_Union[StepResult, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., step_error: _Optional[_Union[StepError, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("protocol_version", "instance_id", "model_name", "model_fingerprint", "tp_size", "dtype", "device", "block_size", "vocab_size", "attention_backend")
@@ -83,6 +85,10 @@ class Reject(_message.Message):
     reason: str
     another_is_attached: bool
     def __init__(self, reason: _Optional[str] = ..., another_is_attached: _Optional[bool] = ...) -> None: ...
+
+class Goodbye(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("step_id", "message")

@@ -105,6 +105,30 @@ def test_refused_as_incompatible_after_its_control_plane_went_it_keeps_its_grace
     assert (io.epoch, io.lost_since) == (EPOCH, now)
 
 
+def test_a_goodbye_in_its_epoch_starts_the_grace_period_without_a_warning(loop, caplog):
+    """A control plane stopped with SIGTERM says Goodbye: the data plane waits for the next as
+    for a silent one (Hello in its epoch), saying so at INFO, and relays nothing (the main
+    thread warned 'control plane silent'). A Goodbye of another epoch is dropped."""
+    io, router, link = loop
+    for seq, epoch in ((1, EPOCH - 1), (2, EPOCH)):
+        router.send_multipart([b"dp", *framing.encode(link_pb2.LinkMessage(
+            seq=seq, epoch=epoch, goodbye=link_pb2.Goodbye()))])
+        assert io.dealer.poll(1000)
+        with caplog.at_level("INFO", logger="splitserve.dataplane"):
+            io._on_frames(io.dealer.recv_multipart())
+        if epoch != EPOCH:
+            assert (io.lost_since, link.num_dropped) == (None, 1)
+    assert io.lost_since is not None and relayed(link) == []
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "control plane closed; waiting up to 30s for it to come back")]
+    io._tick(time.monotonic() + 10 * link.config.heartbeat_timeout_s)
+    assert relayed(link) == []
+    assert router.poll(1000)
+    _, *frames = router.recv_multipart()
+    hello = framing.decode(frames)
+    assert (hello.WhichOneof("body"), hello.epoch) == ("hello", EPOCH)
+
+
 def test_a_closed_link_frees_its_address_at_once():
     """libzmq closes a socket later, in its reaper thread; close() unbinds first, so the next
     link with the same instance id (the same inproc address) binds it at once."""

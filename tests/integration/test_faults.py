@@ -331,7 +331,9 @@ def test_standalone_dataplane_exits_when_its_control_plane_is_gone(model, tmp_pa
 def test_a_control_plane_stopped_with_sigterm_leaves_its_data_plane_to_the_next(model, tmp_path):
     """A rolling update of the control plane: the old one stops on SIGTERM, and its standalone
     data plane keeps its weights and serves the new one on the same address (the old one's
-    goodbye used to be a Reject, on which a data plane exits: a reload)."""
+    goodbye used to be a Reject, on which a data plane exits: a reload). The data plane hears
+    the goodbye and waits without a warning (it warned 'control plane silent' once its
+    heartbeats stopped)."""
     link = f"tcp://127.0.0.1:{harness.free_port()}"
     for name in ("first", "second"):
         (tmp_path / name).mkdir()
@@ -341,12 +343,14 @@ def test_a_control_plane_stopped_with_sigterm_leaves_its_data_plane_to_the_next(
     try:
         first.wait_serving()
         assert first.processes[0].stop() == 0
+        dataplane.wait_for_log(r"INFO splitserve\.dataplane: control plane closed; waiting", 30)
         second = harness.controlplane(model, tmp_path / "second", link)
         second.wait_serving()
         assert dataplane.popen.poll() is None, dataplane.log()
         completion = second.client.generate([1, 2, 3], ignore_eos=True, max_tokens=4)
         assert completion.completion_tokens == 4
         assert dataplane.log().count(" loaded ") == 1  # the weights, once
+        assert "control plane silent" not in dataplane.log(), dataplane.log()
     finally:
         for server in (first, second):
             if server is not None:
