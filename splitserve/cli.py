@@ -178,7 +178,7 @@ SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "prese
 
 def _generate(args: argparse.Namespace) -> int:
     import grpc
-    from protos import generation_pb2
+    from splitserve.client import finish_reason_name
     sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
     with _client(args) as client:
         if args.wait and not client.wait_until_serving(args.wait):
@@ -205,7 +205,7 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     print(f"[{usage.completion_tokens} tokens ({usage.prompt_tokens} prompt, "
           f"{usage.cached_tokens} cached), finish reason: "
-          f"{generation_pb2.FinishReason.Name(last.finish_reason)}]", file=sys.stderr)
+          f"{finish_reason_name(last.finish_reason)}]", file=sys.stderr)
     return 0
 
 
@@ -223,7 +223,9 @@ def _health(args: argparse.Namespace) -> int:
         try:
             status = client.health(args.service, timeout=args.timeout)
         except grpc.RpcError as e:  # why the check failed: no server, no such service
-            print(f"{e.code().name}: {e.details()}")
+            details = e.details() or (f"no such service {args.service!r}"
+                                      if e.code() is grpc.StatusCode.NOT_FOUND else "")
+            print(f"{e.code().name}: {details}")
             return 1
     print(status)
     return 0 if status == "SERVING" else 1

@@ -64,7 +64,8 @@ def _add_model(p: argparse.ArgumentParser, required: bool) -> None:
     help_text = "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
     if not required:
         help_text += ("; default: a small Qwen3 with seeded random weights (gibberish output), "
-                      "written once to ~/.cache/splitserve (or $SPLITSERVE_CACHE)")
+                      "written once to ~/.cache/splitserve ($SPLITSERVE_CACHE or "
+                      "$XDG_CACHE_HOME/splitserve where set)")
     p.add_argument("--model", type=pathlib.Path, required=required, help=help_text)
 
 
@@ -298,7 +299,8 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo-model", help="write the default tiny model (seeded random "
                           "weights) to DIR unless it is there; prints DIR")
     demo.add_argument("dir", type=pathlib.Path, nargs="?", default=None,
-                      help="(default: the cache, ~/.cache/splitserve or $SPLITSERVE_CACHE)")
+                      help="(default: the cache, ~/.cache/splitserve; $SPLITSERVE_CACHE or "
+                           "$XDG_CACHE_HOME/splitserve where set)")
 
 
 def _add_health_command(sub: argparse._SubParsersAction) -> None:

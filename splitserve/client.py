@@ -1,6 +1,7 @@
 """The Python client: what users import instead of raw stubs. `Client` is blocking,
 `AsyncClient` is for asyncio; both stream `GenerateResponse` chunks or collect a `Completion`."""
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,11 +32,15 @@ class Completion:
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason:
-            self.finish_reason = generation_pb2.FinishReason.Name(chunk.finish_reason) \
-                .removeprefix("FINISH_REASON_").lower()
+            self.finish_reason = finish_reason_name(chunk.finish_reason)
             self.prompt_tokens = chunk.usage.prompt_tokens
             self.completion_tokens = chunk.usage.completion_tokens
             self.cached_tokens = chunk.usage.cached_tokens
+
+
+def finish_reason_name(value: int) -> str:
+    """The FinishReason enum's value as vLLM names a finish reason: "length", "stop", ..."""
+    return generation_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
 def build_sampling(**sampling) -> generation_pb2.SamplingParams:
@@ -208,10 +213,24 @@ class AsyncClient:
                                               metadata=self.metadata)
         return response.text
 
+    async def health(self, service: str = "", timeout: float = 5.0) -> str:
+        """As Client.health."""
+        response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                                timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
     async def is_serving(self, service: str = "", timeout: float = 5.0) -> bool:
         try:
-            response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
-                                                    timeout=timeout)
+            return await self.health(service, timeout) == "SERVING"
         except grpc.RpcError:
             return False
-        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def wait_until_serving(self, timeout: float) -> bool:
+        """As Client.wait_until_serving."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if await self.is_serving(timeout=max(0.1, min(2.0, deadline - loop.time()))):
+                return True
+            await asyncio.sleep(0.1)
+        return False

@@ -272,6 +272,18 @@ def test_small_rpcs(server):
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[1]" in error.value.details()
 
 
+def test_the_async_client_checks_health_as_the_blocking_one_does(server):
+    async def run():
+        async with AsyncClient(server.address) as client:
+            with pytest.raises(grpc.RpcError) as error:
+                await client.health("bogus")
+            return (await client.health(), await client.health("liveness"),
+                    await client.is_serving(), await client.wait_until_serving(5),
+                    error.value.code())
+    assert asyncio.run(run()) == ("SERVING", "SERVING", True, True, grpc.StatusCode.NOT_FOUND)
+    assert server.client.health() == "SERVING"
+
+
 def test_load_counts_prompt_and_decode_steps_with_the_data_planes_timings(server):
     before = server.client.load()
     server.client.generate(list(range(1, 40)), max_tokens=6, temperature=0, ignore_eos=True)
