@@ -1,5 +1,6 @@
 """Process helpers shared by the launchers."""
 
+import asyncio
 import ctypes
 import gc
 import os
@@ -32,3 +33,20 @@ def die_with_parent(parent_pid: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, handled in the event loop from the moment this is made: a server
+    command makes it first, so that a signal while it starts stops it as cleanly as one while it
+    serves (Ctrl-C printed asyncio's KeyboardInterrupt traceback, and left what had started)."""
+
+    def __init__(self) -> None:
+        self.first: str | None = None  # the first signal's name
+        self.event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.first = self.first or sig.name
+        self.event.set()

@@ -21,6 +21,7 @@ from grpc_health.v1 import health
 
 from common.errors import ConfigError
 from common.model_info import ModelInfo
+from common.process import StopSignals
 from common.transport import LinkConfig, check_tcp_port_free, private_ipc_address, \
     remove_private_ipc, reserve_tcp_port
 from controlplane.api_server import GenerationServicer
@@ -243,21 +244,17 @@ class ControlPlane:
         await self.link.close()
 
 
-async def run_until_signal(control_plane: ControlPlane, children: Sequence = ()) -> None:
+async def run_until_signal(control_plane: ControlPlane, children: Sequence = (),
+                           signals: StopSignals | None = None) -> None:
     """Serve until SIGTERM/SIGINT (then drain), or until the engine loop dies or the supervisor
     of a child (a front-end, or one of `children`: serve's data plane) gives up restarting it
-    (then raise)."""
-    try:
-        await control_plane.start()
-    except Exception:  # (a port or the link's address in use): undo what started
-        with contextlib.suppress(Exception):
-            await control_plane.stop(after_failure=True)
-        raise
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    waiter = asyncio.create_task(stop.wait())
+    (then raise). A signal while it starts stops what started (nothing to drain)."""
+    signals = signals or StopSignals()
+    waiter = asyncio.create_task(signals.event.wait())
+    if signals.event.is_set() or not await _started(control_plane, waiter):
+        log.info("stopping on %s, before serving", signals.first)
+        await control_plane.stop()
+        return
     engine_task = control_plane.engine_task
     # A child whose supervisor gave up restarting it: without a front-end nobody can reach this
     # server, without its data plane it can serve nobody.
@@ -274,10 +271,29 @@ async def run_until_signal(control_plane: ControlPlane, children: Sequence = ())
         if isinstance(gave_up[0].exception(), ConfigError):  # (it refused its flags)
             raise gave_up[0].exception()
         raise RuntimeError(f"the {supervised[gave_up[0]]} keeps exiting; stopping")
+    log.info("stopping on %s", signals.first)
     _exit_if_stuck(control_plane.config.drain_timeout_s + 15)
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second one: no more waiting
         loop.add_signal_handler(sig, _cut_drain, control_plane.engine)
     await control_plane.drain_and_stop()
+
+
+async def _started(control_plane: ControlPlane, signalled: asyncio.Task) -> bool:
+    """Start the control plane; False when a signal came first (what started is left to stop).
+    Raises what failed the start, after undoing it."""
+    starting = asyncio.create_task(control_plane.start())
+    await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return False
+    if starting.exception() is not None:  # (a port or the link's address in use): undo it
+        signalled.cancel()
+        with contextlib.suppress(Exception):
+            await control_plane.stop(after_failure=True)
+        raise starting.exception()
+    return True
 
 
 def _cut_drain(engine: Engine) -> None:

@@ -13,6 +13,7 @@ import signal
 import sys
 
 from common.errors import ConfigError
+from common.process import StopSignals
 from splitserve.cli_parser import build_parser
 
 
@@ -95,18 +96,20 @@ def _dataplane_argv(args: argparse.Namespace, model: pathlib.Path, address: str)
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    signals = StopSignals()  # (first: before the imports, and what a signal would leave behind)
     from common.transport import private_ipc_address, remove_private_ipc
     from splitserve.default_model import ensure_default_model
 
     model = args.model or ensure_default_model()
     address = private_ipc_address()
     try:
-        await _serve_on(args, model, address)
+        await _serve_on(args, model, address, signals)
     finally:
         remove_private_ipc(address)  # (its two ends are closed: the link, the data plane)
 
 
-async def _serve_on(args: argparse.Namespace, model: pathlib.Path, address: str) -> None:
+async def _serve_on(args: argparse.Namespace, model: pathlib.Path, address: str,
+                    signals: StopSignals) -> None:
     from controlplane.server import ControlPlane, run_until_signal
 
     # invalid flags and model directories fail before any child starts; a data plane the
@@ -116,7 +119,7 @@ async def _serve_on(args: argparse.Namespace, model: pathlib.Path, address: str)
     supervisor = _spawn(["dataplane", *_dataplane_argv(args, model, address)], "data plane")
     failed = True
     try:
-        await run_until_signal(control_plane, children=[supervisor])
+        await run_until_signal(control_plane, children=[supervisor], signals=signals)
         failed = False
     finally:  # (after a failure, quietly: its error is the line to read, printed next)
         logging.getLogger("splitserve.supervisor").log(
@@ -125,9 +128,11 @@ async def _serve_on(args: argparse.Namespace, model: pathlib.Path, address: str)
 
 
 async def _controlplane(args: argparse.Namespace) -> None:
+    signals = StopSignals()
     from controlplane.server import ControlPlane, run_until_signal
     await run_until_signal(ControlPlane(_controlplane_config(args, args.model,
-                                                             args.dataplane_address), spawn=_spawn))
+                                                             args.dataplane_address), spawn=_spawn),
+                           signals=signals)
 
 
 async def _frontend(args: argparse.Namespace) -> None:
@@ -239,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # a wrong flag value or directory: one line, as argparse's errors
         print(f"splitserve {args.command}: error: {e}", file=sys.stderr)
         return ConfigError.EXIT_CODE
+    except KeyboardInterrupt:  # Ctrl-C before a server handles it (imports, loading weights)
+        print(f"splitserve {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -151,6 +151,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def cmdline(pid: int) -> str:
+    """The process's command line, words joined by spaces ("" once it is gone)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def alive(pid: int) -> bool:
     try:
         stat = pathlib.Path(f"/proc/{pid}/stat").read_text()

@@ -463,6 +463,31 @@ def test_a_stopped_server_leaves_no_socket_directory(model, tmp_path, monkeypatc
         assert not list(pathlib.Path(tmp).glob("splitserve-*"))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_serve_starts_stops_what_started(model, tmp_path, monkeypatch, sig):
+    """Ctrl-C (or SIGTERM) while serve waits for its front-end to start: it printed a
+    KeyboardInterrupt traceback (SIGTERM: died on the spot) and left its socket directories.
+    Now it stops what it started, says so, and exits 0."""
+    with tempfile.TemporaryDirectory(prefix="ss") as tmp:
+        monkeypatch.setenv("TMPDIR", tmp)
+        process = harness.Process(["serve", "--model", str(model), "--port", "0",
+                                   "--num-kv-blocks", "64"], tmp_path / "serve.log")
+        try:
+            # (the front-end's own start, its imports and its Hello, takes a few hundred ms)
+            assert harness.wait_until(lambda: any(
+                "frontend" in harness.cmdline(pid) for pid in harness.descendants(process.popen.pid)), 60)
+            children = harness.descendants(process.popen.pid)
+            process.popen.send_signal(sig)
+            code = process.popen.wait(30)
+        finally:
+            process.stop()
+        log = process.log()
+        assert code == 0 and "Traceback" not in log, log
+        assert f"stopping on {sig.name}" in log, log
+        assert not [pid for pid in children if harness.alive(pid)]
+        assert not list(pathlib.Path(tmp).glob("splitserve-*"))
+
+
 @pytest.mark.parametrize("to", ["process", "group"])
 def test_sigterm_drains(model, tmp_path, to):
     """SIGTERM to the server, or to its whole process group (what dumb-init does in the
