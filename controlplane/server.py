@@ -100,7 +100,6 @@ class ControlPlane:
         self._spawn = spawn
         self.frontend_supervisors: list = []
         self.frontend_link: FrontendLink | None = None
-        self._frontend_address: str | None = None  # (a private ipc:// address, removed at stop)
         self._port_reservation: socket.socket | None = None
         self.model = ModelInfo.from_dir(config.model_dir)
         self.engine_config = config.engine_config(self.model)
@@ -173,7 +172,6 @@ class ControlPlane:
             port = self._port_reservation.getsockname()[1]
         address = private_ipc_address("frontend")
         self.frontend_link = FrontendLink(address, servicer, serving=lambda: self.is_serving)
-        self._frontend_address = address
         started = asyncio.Event()
         self.frontend_link.on_hello = lambda _: started.set()
         await self.frontend_link.start()
@@ -233,7 +231,7 @@ class ControlPlane:
                                    for frontend in self.frontend_supervisors))
         if self.frontend_link is not None:
             await self.frontend_link.close()
-            remove_private_ipc(self._frontend_address)
+            remove_private_ipc(self.frontend_link.address)
         if self._port_reservation is not None:
             self._port_reservation.close()
         if self.engine_task is not None:

@@ -84,16 +84,19 @@ def first_log_after(log: str, pattern: str, after: float) -> float | None:
     return None
 
 
+def descendants_running(pid: int, word: str) -> list[int]:
+    """The live processes below `pid` whose command line has `word`."""
+    return [p for p in harness.descendants(pid) if word in harness.cmdline(p)]
+
+
 def dataplane_pid(server) -> int:
-    [launcher] = [p for p in harness.descendants(server.processes[0].popen.pid)
-                  if b"dataplane" in open(f"/proc/{p}/cmdline", "rb").read()
-                  and b"--rank" not in open(f"/proc/{p}/cmdline", "rb").read()][:1]
+    [launcher] = [p for p in descendants_running(server.processes[0].popen.pid, "dataplane")
+                  if "--rank" not in harness.cmdline(p)][:1]
     return launcher
 
 
 def frontend_pid(server) -> int:
-    [pid] = [p for p in harness.descendants(server.processes[0].popen.pid)
-             if b"frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
+    [pid] = descendants_running(server.processes[0].popen.pid, "frontend")
     return pid
 
 
@@ -474,8 +477,8 @@ def test_a_signal_while_serve_starts_stops_what_started(model, tmp_path, monkeyp
                                    "--num-kv-blocks", "64"], tmp_path / "serve.log")
         try:
             # (the front-end's own start, its imports and its Hello, takes a few hundred ms)
-            assert harness.wait_until(lambda: any(
-                "frontend" in harness.cmdline(pid) for pid in harness.descendants(process.popen.pid)), 60)
+            assert harness.wait_until(
+                lambda: descendants_running(process.popen.pid, "frontend"), 60)
             children = harness.descendants(process.popen.pid)
             process.popen.send_signal(sig)
             code = process.popen.wait(30)
